@@ -1,0 +1,184 @@
+"""ProgramBuilder: the emitter the lowering passes write PIM programs with.
+
+It owns the program's tables (instructions, operands, host ops, buffers, images), the
+row allocator of the banks, and the GEMV placement and instruction sequence
+(``place_matrix`` / ``gemv``), which are the heart of the PIM mapping:
+
+* **Placement** (AiM/CENT style): output row ``o`` of a weight matrix ``W[N, K]`` goes to
+  device slot ``o % slots`` (slot = channel * banks + bank) of row-group ``o // slots``;
+  the input dimension is cut into chunks of ``min(cols, gb_elems)`` elements, one DRAM
+  row per (row-group, chunk). Weights are stored as bf16 (RNE from fp32).
+* **GEMV**: for each batch of up to ``accumulators`` row-groups: zero the accumulators
+  (WR_ACC), then for each chunk write the activation chunk to every channel's global
+  buffer (WR_GB, skipped when it already holds it) and issue one all-bank MAC_AB per
+  row-group; finally read each accumulator back (RD_ACC). So every output is the sum of
+  its K products in burst order, exactly the contract of ``nhil.numerics.mac``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from nhil.errors import CompileError
+from nhil.isa.device import DeviceConfig
+from nhil.isa.instr import ALL_CH, NO_OPERAND, Instr, Op
+from nhil.isa.program import BankImage, HostOp, Operand, Program
+from nhil.numerics.bf16 import f32_to_bf16_bits
+
+ZEROS = "zeros"
+
+
+@dataclasses.dataclass
+class MatrixPlacement:
+    """Where a weight matrix ``[n_out, n_in]`` lives: ``rows[g][j]`` = DRAM row of row-group g, input chunk j."""
+
+    name: str
+    n_out: int
+    n_in: int
+    chunk: int
+    rows: list[list[int]]
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start, length) of each input chunk, elements."""
+        return [(s, min(self.chunk, self.n_in - s)) for s in range(0, self.n_in, self.chunk)]
+
+
+class ProgramBuilder:
+    """Accumulates a :class:`~nhil.isa.program.Program` for ``device``."""
+
+    def __init__(self, device: DeviceConfig) -> None:
+        self.d = device
+        self.instrs: list[Instr] = []
+        self.operands: list[Operand] = []
+        self._operand_ix: dict[Operand, int] = {}
+        self.host_ops: list[HostOp] = []
+        self.buffers: dict[str, int] = {ZEROS: device.slots}
+        self.bank_images: list[BankImage] = []
+        self.host_images: dict[str, np.ndarray] = {}
+        self.next_row = 0
+        self._gb: tuple | None = None  # (buffer, offset, count) currently in every channel's GB at col 0
+        self.placements: dict[str, MatrixPlacement] = {}
+
+    # ------------------------------------------------------------ tables
+    def buffer(self, name: str, size: int) -> str:
+        """Declare (or re-check) an fp32 host buffer of ``size`` elements."""
+        if self.buffers.get(name, size) != size:
+            raise CompileError(f"buffer {name!r} declared with sizes {self.buffers[name]} and {size}")
+        self.buffers[name] = int(size)
+        return name
+
+    def operand(self, buffer: str, offset: int, count: int) -> int:
+        """Index of the operand ``buffer[offset:offset+count]`` (deduplicated)."""
+        o = Operand(buffer, int(offset), int(count))
+        if o not in self._operand_ix:
+            self._operand_ix[o] = len(self.operands)
+            self.operands.append(o)
+        return self._operand_ix[o]
+
+    def emit(self, op: Op, *, all_ch: bool = True, flags: int = 0, ch=0, bank=0, row=0, col=0, n=0, k=0, imm=0, operand: int = NO_OPERAND) -> None:
+        """Append one device instruction (``all_ch`` sets the ALL_CH flag)."""
+        if op is Op.WR_GB:
+            self._gb = None
+        self.instrs.append(Instr(op, flags | (ALL_CH if all_ch else 0), ch, bank, row, col, n, operand, k, imm))
+
+    def host(self, kernel: str, inputs: list[str], outputs: list[str], **attrs) -> None:
+        """Append a HOST call (preceded by a SYNC so earlier readbacks are complete)."""
+        if self.instrs and self.instrs[-1].op not in (Op.SYNC, Op.HOST):
+            self.instrs.append(Instr(Op.SYNC))
+        self.host_ops.append(HostOp(kernel, tuple(inputs), tuple(outputs), attrs))
+        self.instrs.append(Instr(Op.HOST, imm=len(self.host_ops) - 1))
+        self._gb = self._gb  # host code never touches device state
+
+    def host_image(self, name: str, arr) -> str:
+        """Register an fp32 host constant (norm weight, embedding table, inv_freq)."""
+        a = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))
+        if name in self.host_images:
+            return name
+        self.host_images[name] = a
+        return name
+
+    def alloc_rows(self, n: int, zero: bool = True) -> int:
+        """Reserve ``n`` consecutive rows (zero-filled images when ``zero``); returns the first.
+
+        Raises:
+            CompileError: the device has no rows left (names how many were needed).
+        """
+        start = self.next_row
+        if start + n > self.d.rows:
+            raise CompileError(f"the model does not fit device {self.d.name}: needs more than {self.d.rows} rows per bank (asked for {n} more at row {start}); use a larger DEVICE preset")
+        self.next_row += n
+        if zero:
+            self.bank_images.extend(BankImage(r, None) for r in range(start, start + n))
+        return start
+
+    # ------------------------------------------------------------ GEMV
+    def place_matrix(self, name: str, w) -> MatrixPlacement:
+        """Store ``w`` (fp32 [n_out, n_in], torch or numpy) in banks as bf16; idempotent per ``name``."""
+        if name in self.placements:
+            return self.placements[name]
+        w = np.asarray(w.detach().cpu().numpy() if hasattr(w, "detach") else w, dtype=np.float32)
+        n_out, n_in = w.shape
+        d = self.d
+        chunk = min(d.cols, d.gb_elems)
+        bits = f32_to_bf16_bits(w)
+        groups = math.ceil(n_out / d.slots)
+        nch = math.ceil(n_in / chunk)
+        rows: list[list[int]] = []
+        for g in range(groups):
+            rg = []
+            o0, o1 = g * d.slots, min(n_out, (g + 1) * d.slots)
+            for j in range(nch):
+                r = self.alloc_rows(1, zero=False)
+                i0, i1 = j * chunk, min(n_in, (j + 1) * chunk)
+                img = np.zeros((d.slots, d.cols), np.uint16)
+                img[: o1 - o0, : i1 - i0] = bits[o0:o1, i0:i1]
+                self.bank_images.append(BankImage(r, img.reshape(d.channels, d.banks, d.cols)))
+                rg.append(r)
+            rows.append(rg)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows)
+        self.placements[name] = p
+        return p
+
+    def write_gb(self, buffer: str, offset: int, count: int, col: int = 0) -> None:
+        """WR_GB of ``buffer[offset:offset+count]`` at burst ``col`` of every channel (skipped if already there)."""
+        key = (buffer, offset, count, col)
+        if self._gb == key:
+            return
+        n = math.ceil(count / self.d.lanes)
+        self.emit(Op.WR_GB, col=col, n=n, operand=self.operand(buffer, offset, count))
+        self._gb = key
+
+    def invalidate_gb(self) -> None:
+        """Forget what the GB holds (call when a host op rewrites a buffer that may be in the GB)."""
+        self._gb = None
+
+    def gemv(self, p: MatrixPlacement, x: str, y: str, x_off: int = 0, y_off: int = 0) -> None:
+        """Emit ``y[y_off:y_off+n_out] = W @ x[x_off:x_off+n_in]`` (see the module docstring)."""
+        d = self.d
+        chunks = p.chunks
+        groups = list(range(len(p.rows)))
+        for b0 in range(0, len(groups), d.accumulators):
+            batch = groups[b0 : b0 + d.accumulators]
+            for k, g in enumerate(batch):
+                self.emit(Op.WR_ACC, k=k, col=0, n=d.slots, operand=self.operand(ZEROS, 0, d.slots))
+            for j, (s, ln) in enumerate(chunks):
+                self.write_gb(x, x_off + s, ln)
+                for k, g in enumerate(batch):
+                    self.emit(Op.MAC_AB, row=p.rows[g][j], col=0, n=math.ceil(ln / d.lanes), k=k)
+            for k, g in enumerate(batch):
+                cnt = min(d.slots, p.n_out - g * d.slots)
+                self.emit(Op.RD_ACC, k=k, col=0, n=cnt, operand=self.operand(y, y_off + g * d.slots, cnt))
+
+    # ------------------------------------------------------------ finish
+    def finish(self, io: dict, info: dict) -> Program:
+        """Close the stream with SYNC + EOC and return the validated Program."""
+        if not self.instrs or self.instrs[-1].op is not Op.SYNC:
+            self.instrs.append(Instr(Op.SYNC))
+        self.instrs.append(Instr(Op.EOC))
+        prog = Program(self.d, self.instrs, self.operands, self.host_ops, self.buffers, sorted(self.bank_images, key=lambda b: b.row), self.host_images, io, info)
+        prog.validate()
+        return prog

@@ -1,0 +1,120 @@
+"""Lowering of decode attention over a KV cache kept in the banks (AttAcc/CENT mapping).
+
+KV layout for one layer (``docs/isa.md`` section "KV-cache layout"), ``S = slots``
+(channels x banks), ``L`` = max cache length, ``Hkv`` KV heads of ``hd`` elements:
+
+* **K**: position ``t`` lives in slot ``t % S`` of row ``K_base + t // S``; within the
+  row, columns ``[h*hd, (h+1)*hd)`` hold ``k_t`` of KV head ``h``. q·Kᵀ for query head
+  ``j`` is then one all-bank MAC_AB over the ``hd/16`` bursts of its KV head with
+  ``q_j`` written to the same columns of the global buffer: one score per slot.
+* **V** is stored transposed: element ``(h, d)`` of ``v_t`` lives in slot
+  ``u = h*hd + d`` (group ``u // S``), row ``V_base + group*RL + t // cols``, column
+  ``t % cols`` (``RL = ceil(L / cols)``). p·V is then a GEMV: the softmax row ``p_j``
+  goes to the global buffer and one MAC_AB gives all ``hd`` outputs of the head.
+* Appends are WR_SBK bursts with position-relative flags: K uses ``POS_SLOT`` (slot and
+  row from the position), V uses ``POS_COL`` (column burst, lane mask and row from the
+  position). The host runtime binds them per step; devices see plain addresses.
+
+Scores of positions beyond the current one are masked on the host (softmax gives an
+exact 0), so stale cache contents never reach the output; the cache rows start zeroed.
+Softmax (with its scale and causal mask) runs on the host, as in CENT/AttAcc/NeuPIMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from nhil.errors import CompileError
+from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, Op
+from nhil.compiler.builder import ZEROS, ProgramBuilder
+
+
+@dataclasses.dataclass
+class KvLayout:
+    """Rows reserved for one layer's KV cache (see the module docstring)."""
+
+    layer: int
+    k_base: int
+    k_rows: int
+    v_base: int
+    v_rows_per_group: int
+    v_groups: int
+    max_len: int
+    kv_heads: int
+    head_dim: int
+
+
+def place_kv(b: ProgramBuilder, layer: int, max_len: int, kv_heads: int, head_dim: int) -> KvLayout:
+    """Reserve zero-filled rows for one layer's K and Vᵀ caches.
+
+    Raises:
+            CompileError: head_dim not a multiple of the burst, or KV heads wider than a row.
+    """
+    d = b.d
+    if head_dim % d.lanes:
+        raise CompileError(f"head_dim {head_dim} is not a multiple of the {d.lanes}-lane burst; attention cannot be mapped on device {d.name}")
+    if kv_heads * head_dim > min(d.cols, d.gb_elems):
+        raise CompileError(f"{kv_heads} KV heads x {head_dim} = {kv_heads * head_dim} elements exceed a row/global buffer of {min(d.cols, d.gb_elems)} on device {d.name}")
+    k_rows = math.ceil(max_len / d.slots)
+    k_base = b.alloc_rows(k_rows)
+    rl = math.ceil(max_len / d.cols)
+    groups = math.ceil(kv_heads * head_dim / d.slots)
+    v_base = b.alloc_rows(rl * groups)
+    return KvLayout(layer, k_base, k_rows, v_base, rl, groups, max_len, kv_heads, head_dim)
+
+
+def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: str, out: str, num_heads: int, scale: float, name: str) -> None:
+    """Emit KV append, q·Kᵀ (PIM), masked softmax (host), p·V (PIM) for one decode token.
+
+    Buffers: ``q`` [num_heads*hd], ``k``/``v`` [kv_heads*hd] (k already RoPE'd), ``out``
+    [num_heads*hd] (heads concatenated). ``name`` prefixes the scratch buffers.
+    """
+    d = b.d
+    hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
+    rep = num_heads // hkv
+    nb = hd // d.lanes
+    # -- KV append (positions bound at run time)
+    for c in range(hkv * hd // d.lanes):
+        b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_SLOT, row=kv.k_base, col=c, imm=0xFFFF, operand=b.operand(k, c * d.lanes, d.lanes))
+    for u in range(hkv * hd):
+        g, s = divmod(u, S)
+        b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_COL, ch=s // d.banks, bank=s % d.banks, row=kv.v_base + g * kv.v_rows_per_group, operand=b.operand(v, u, 1))
+    # -- scores = q_j · K (one MAC per head per K row-group)
+    scores = b.buffer(f"{name}.scores", num_heads * L)
+    units = [(j, r) for j in range(num_heads) for r in range(kv.k_rows)]
+    for u0 in range(0, len(units), d.accumulators):
+        batch = units[u0 : u0 + d.accumulators]
+        for a, _ in enumerate(batch):
+            b.emit(Op.WR_ACC, k=a, n=S, operand=b.operand(ZEROS, 0, S))
+        for a, (j, r) in enumerate(batch):
+            h = j // rep
+            b.write_gb(q, j * hd, hd, col=h * nb)
+            b.emit(Op.MAC_AB, row=kv.k_base + r, col=h * nb, n=nb, k=a)
+        for a, (j, r) in enumerate(batch):
+            cnt = min(S, L - r * S)
+            b.emit(Op.RD_ACC, k=a, n=cnt, operand=b.operand(scores, j * L + r * S, cnt))
+    # -- softmax on the host
+    probs = b.buffer(f"{name}.probs", num_heads * L)
+    b.host("masked_softmax", [scores, "$pos"], [probs], num_heads=num_heads, max_len=L, scale=float(scale))
+    b.invalidate_gb()
+    # -- out_j = p_j · Vᵀ rows of head j's slots
+    jobs = []
+    for j in range(num_heads):
+        h = j // rep
+        u0, u1 = h * hd, (h + 1) * hd
+        for g in range(u0 // S, (u1 - 1) // S + 1):
+            lo, hi = max(u0, g * S), min(u1, (g + 1) * S)
+            jobs.append((j, g, lo, hi))
+    for j0 in range(0, len(jobs), d.accumulators):
+        batch = jobs[j0 : j0 + d.accumulators]
+        for a, _ in enumerate(batch):
+            b.emit(Op.WR_ACC, k=a, n=S, operand=b.operand(ZEROS, 0, S))
+        for rc in range(kv.v_rows_per_group):
+            t0, t1 = rc * d.cols, min(L, (rc + 1) * d.cols)
+            for a, (j, g, lo, hi) in enumerate(batch):
+                b.write_gb(probs, j * L + t0, t1 - t0)
+                b.emit(Op.MAC_AB, row=kv.v_base + g * kv.v_rows_per_group + rc, n=math.ceil((t1 - t0) / d.lanes), k=a)
+        for a, (j, g, lo, hi) in enumerate(batch):
+            h = j // rep
+            b.emit(Op.RD_ACC, k=a, col=lo - g * S, n=hi - lo, operand=b.operand(out, j * hd + (lo - h * hd), hi - lo))

@@ -1,0 +1,1 @@
+"""Golden outputs: generation (PyTorch eager fp32), safetensors store, comparison metrics, tolerances."""

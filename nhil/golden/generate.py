@@ -1,0 +1,155 @@
+"""Golden generation: PyTorch eager fp32 on the original model.
+
+Two passes (shapes for prompt length P, generated tokens T, hidden H, vocab V):
+
+1. Greedy ``model.generate`` (``do_sample=False``, ``max_new_tokens=T``, EOS ignored so
+   exactly T tokens come out) gives the golden tokens.
+2. One teacher-forced forward over ``prompt_ids + tokens[:-1]`` (length P+T-1, no KV
+   cache) with forward hooks on ``model.model.embed_tokens`` and every
+   ``model.model.layers[l]`` gives the per-position activations and the logits.
+
+Teacher forcing is what targets are compared against: every step sees the golden prefix,
+so one wrong token does not make all later steps incomparable (vLLM
+``check_logprobs_close`` stops at the first divergence for the same reason).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+__all__ = ["generate_golden", "config_hash", "act_name"]
+
+
+def act_name(module_path: str) -> str:
+    """Golden tensor name of a module's output activation, e.g. ``act.model.layers.3``."""
+    return f"act.{module_path}"
+
+
+def config_hash(model: torch.nn.Module) -> str:
+    """sha256 hex of ``model.config.to_json_string()`` (identifies the architecture config)."""
+    return hashlib.sha256(model.config.to_json_string().encode("utf-8")).hexdigest()
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    # decoder layers return a tensor in transformers 5; older versions return (hidden, ...)
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"cannot find the hidden-state tensor in a module output of type {type(out).__name__}")
+
+
+@torch.no_grad()
+def generate_golden(
+    bundle: Any,
+    prompt_ids: list[int],
+    n_tokens: int,
+    seed: int = 0,
+    *,
+    prompt_text: str | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Golden tokens, logits and per-layer activations of ``bundle.model`` in eager fp32.
+
+    Args:
+        bundle: a :class:`nhil.models.ModelBundle` (its ``model`` is a HF causal LM with
+            ``model.model.embed_tokens`` and ``model.model.layers``, fp32, eval mode).
+        prompt_ids: P >= 1 prompt token ids.
+        n_tokens: T >= 1 tokens to generate greedily (EOS does not stop generation).
+        seed: ``torch.manual_seed`` before generating (greedy decoding does not sample;
+            recorded for provenance).
+        prompt_text: prompt text for the metadata; default: decoded from ``prompt_ids``
+            if the bundle has a tokenizer, else "".
+
+    Returns:
+        ``(tensors, metadata)``. Tensors:
+
+        * ``prompt_ids`` int64 [P]; ``tokens`` int64 [T] (generated);
+        * ``logits`` float32 [T, V]: row i = logits at position P-1+i of the
+          teacher-forced pass, i.e. the prediction of ``tokens[i]``;
+        * ``act.model.embed_tokens`` float32 [P+T-1, H];
+        * ``act.model.layers.{l}`` float32 [P+T-1, H]: output hidden state of decoder
+          layer l (residual stream, before the final norm).
+
+        Metadata (all str): model, weights_id, prompt, prompt_ids (JSON list), n_tokens,
+        seed, dtype ("float32"), config_hash, generator ("pytorch-eager"), num_layers,
+        hidden_size, vocab_size, teacher_forced_argmax_matches ("true"/"false": argmax of
+        every ``logits`` row equals ``tokens``), teacher_forced_mismatch_steps (JSON
+        list of step indices where it does not; KV-cached and full-sequence attention
+        round differently, so a near-tie can flip).
+
+    Raises:
+        ValueError: empty prompt, n_tokens < 1, or generate returned the wrong length.
+    """
+    if len(prompt_ids) < 1:
+        raise ValueError("generate_golden needs at least one prompt token")
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+    model = bundle.model
+    model.eval()
+    ids = torch.tensor([list(map(int, prompt_ids))], dtype=torch.int64)
+    P, T = ids.shape[1], int(n_tokens)
+
+    torch.manual_seed(seed)
+    pad = getattr(model.config, "pad_token_id", None)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=T,
+        eos_token_id=None,
+        pad_token_id=pad if pad is not None else 0,
+    )
+    tokens = out[0, P:].to(torch.int64)
+    if tokens.numel() != T:
+        raise ValueError(f"model.generate returned {tokens.numel()} new tokens, expected {T}")
+
+    inner = model.model
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def fn(_module, _inp, output):
+            captured[name] = _first_tensor(output)[0].detach().to(torch.float32).clone()
+
+        return fn
+
+    handles = [inner.embed_tokens.register_forward_hook(hook(act_name("model.embed_tokens")))]
+    for i, layer in enumerate(inner.layers):
+        handles.append(layer.register_forward_hook(hook(act_name(f"model.layers.{i}"))))
+    try:
+        full = torch.cat([ids[0], tokens[:-1]]).unsqueeze(0)
+        fwd = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    logits = fwd.logits[0, P - 1 :, :].to(torch.float32).contiguous()  # [T, V]
+
+    mism = torch.nonzero(logits.argmax(dim=-1) != tokens).flatten().tolist()
+    tensors: dict[str, torch.Tensor] = {"prompt_ids": ids[0].clone(), "tokens": tokens.clone(), "logits": logits}
+    tensors[act_name("model.embed_tokens")] = captured[act_name("model.embed_tokens")]
+    for i in range(len(inner.layers)):
+        tensors[act_name(f"model.layers.{i}")] = captured[act_name(f"model.layers.{i}")]
+
+    if prompt_text is None:
+        prompt_text = bundle.decode(list(prompt_ids)) if getattr(bundle, "tokenizer", None) is not None else ""
+    cfg = model.config
+    metadata = {
+        "model": str(bundle.name),
+        "weights_id": str(bundle.weights_id),
+        "prompt": prompt_text,
+        "prompt_ids": json.dumps([int(t) for t in prompt_ids]),
+        "n_tokens": str(T),
+        "seed": str(seed),
+        "dtype": "float32",
+        "config_hash": config_hash(model),
+        "generator": "pytorch-eager",
+        "num_layers": str(len(inner.layers)),
+        "hidden_size": str(getattr(cfg, "hidden_size", "")),
+        "vocab_size": str(logits.shape[-1]),
+        "teacher_forced_argmax_matches": "true" if not mism else "false",
+        "teacher_forced_mismatch_steps": json.dumps(mism),
+    }
+    return tensors, metadata

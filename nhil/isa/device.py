@@ -1,0 +1,75 @@
+"""Device configuration of the PIM device (an AiM-like DRAM channel array).
+
+Anchors (``../shared/research/pim_anchors.md`` sections 1 and 7): SK hynix GDDR6-AiM has
+16 banks per channel, 2 KB rows (1024 bf16 elements), 16 MAC lanes per bank (a 32-byte
+burst), a 2 KB global buffer per channel, and MAC registers per bank; the open AiM
+simulator and CENT (ASPLOS'25) use 32 channels and 16384 rows per bank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """Sizes of one PIM device.
+
+    Attributes:
+        name: preset name.
+        channels: number of channels (each with its own global buffer).
+        banks: banks per channel.
+        rows: rows per bank.
+        row_bytes: bytes per row (``cols = row_bytes // 2`` bf16 elements).
+        lanes: MAC lanes per bank = bf16 elements per burst (burst = ``2*lanes`` bytes).
+        accumulators: fp32 accumulators per bank (``k`` operand of MAC/RD_ACC/WR_ACC).
+        gb_bytes: global buffer bytes per channel.
+        clock_hz: processing-unit clock in Hz (for the timing model).
+    """
+
+    name: str = "aim-like"
+    channels: int = 32
+    banks: int = 16
+    rows: int = 16384
+    row_bytes: int = 2048
+    lanes: int = 16
+    accumulators: int = 4
+    gb_bytes: int = 2048
+    clock_hz: float = 1e9
+
+    @property
+    def cols(self) -> int:
+        """bf16 elements per row."""
+        return self.row_bytes // 2
+
+    @property
+    def bursts_per_row(self) -> int:
+        """Bursts (of ``lanes`` elements) per row."""
+        return self.cols // self.lanes
+
+    @property
+    def gb_elems(self) -> int:
+        """bf16 elements in one channel's global buffer."""
+        return self.gb_bytes // 2
+
+    @property
+    def slots(self) -> int:
+        """Banks in the whole device (``channels * banks``): outputs of one all-channel MAC_AB."""
+        return self.channels * self.banks
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys), used in program headers and hashes."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceConfig":
+        """Inverse of ``dataclasses.asdict``; unknown keys raise ``TypeError``."""
+        return cls(**d)
+
+
+DEVICE_PRESETS: dict[str, DeviceConfig] = {
+    "aim-like": DeviceConfig(),
+    "fpga-small": DeviceConfig(name="fpga-small", channels=2, banks=16, rows=1024),
+    "rtl-tiny": DeviceConfig(name="rtl-tiny", channels=1, banks=16, rows=256, row_bytes=256, gb_bytes=256),
+}

@@ -1,0 +1,6 @@
+"""Host side: host kernels, binding of position-relative instructions, step execution, generation loop."""
+
+from nhil.runtime.executor import Runner
+from nhil.runtime.generate import StepOutputs, run_greedy, run_teacher_forced
+
+__all__ = ["Runner", "StepOutputs", "run_greedy", "run_teacher_forced"]

@@ -1,0 +1,132 @@
+"""Runs one program step on a target: host kernels, operand binding, device blocks.
+
+The instruction stream is split at ``HOST`` instructions into device blocks. For each
+step the runner binds the step's inputs (``$token``, ``$pos``), resolves every device
+instruction (position-relative flags -> concrete addresses, operand -> payload bytes)
+and hands each block to ``target.execute``; readbacks are scattered into their
+destination buffers.
+
+Binding rules (``docs/isa.md`` section "Position-relative instructions"), ``t = pos``,
+``S = channels*banks``:
+
+* ``POS_SLOT``: ``slot = t % S``, ``ch = slot // banks``, ``bank = slot % banks``, ``row += t // S``.
+* ``POS_COL``: ``row += t // cols``, ``col = (t % cols) // lanes``, ``imm = 1 << (t % lanes)``;
+  the one-element payload goes to lane ``t % lanes``.
+* Payloads of ``WR_GB``/``WR_SBK``/``WR_ABK`` are the operand's fp32 values rounded to bf16
+  (RNE, ``nhil.numerics.bf16``), zero-padded to whole bursts; ``WR_ACC`` payloads stay fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nhil.errors import RunError
+from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Op
+from nhil.isa.program import Program
+from nhil.numerics.bf16 import f32_to_bf16_bits
+from nhil.runtime.host_kernels import KERNELS
+from nhil.targets.base import ResolvedInstr, Target
+
+
+class Runner:
+    """Executes ``program`` step by step on ``target`` (which must be open).
+
+    Args:
+        program: a decode-step Program.
+        target: an opened Target.
+    Raises:
+        RunError: a HOST instruction names an unknown kernel.
+    """
+
+    def __init__(self, program: Program, target: Target) -> None:
+        self.p = program
+        self.t = target
+        self.d = program.device
+        for h in program.host_ops:
+            if h.kernel not in KERNELS:
+                raise RunError(f"program calls unknown host kernel {h.kernel!r}; this nhil has {', '.join(sorted(KERNELS))}")
+        self.bufs = {n: np.zeros(c, np.float32) for n, c in program.buffers.items()}
+        self.segments: list[tuple[str, object]] = []
+        cur: list[int] = []
+        for i, ins in enumerate(program.instrs):
+            if ins.op is Op.HOST:
+                if cur:
+                    self.segments.append(("dev", cur))
+                    cur = []
+                self.segments.append(("host", ins.imm))
+            else:
+                cur.append(i)
+        if cur:
+            self.segments.append(("dev", cur))
+        self.device_instructions = sum(len(s[1]) for s in self.segments if s[0] == "dev")
+        self.steps = 0
+
+    def reset(self) -> None:
+        """(Re)load the program into the target: weights and zeroed KV rows."""
+        self.t.load(self.p)
+        self.steps = 0
+
+    def _val(self, name: str, ctx: dict):
+        if name.startswith("$"):
+            return ctx[name[1:]]
+        if name in self.bufs:
+            return self.bufs[name]
+        return self.p.host_images[name]
+
+    def _resolve(self, i: int, pos: int) -> ResolvedInstr:
+        ins = self.p.instrs[i]
+        d = self.d
+        payload = None
+        lane = None
+        if ins.flags & FLAG_POS_SLOT:
+            slot = pos % d.slots
+            ins = ins._replace(flags=ins.flags & ~FLAG_POS_SLOT, ch=slot // d.banks, bank=slot % d.banks, row=ins.row + pos // d.slots)
+        if ins.flags & FLAG_POS_COL:
+            lane = pos % d.lanes
+            ins = ins._replace(flags=ins.flags & ~FLAG_POS_COL, row=ins.row + pos // d.cols, col=(pos % d.cols) // d.lanes, imm=1 << lane)
+        info = OPINFO[ins.op]
+        if info.data_in:
+            o = self.p.operands[ins.operand]
+            vals = self.bufs[o.buffer][o.offset : o.offset + o.count]
+            if ins.op is Op.WR_ACC:
+                payload = np.ascontiguousarray(vals, dtype=np.float32)
+            else:
+                n = d.lanes if ins.op is Op.WR_SBK else ins.n * d.lanes
+                payload = np.zeros(n, np.uint16)
+                if lane is not None:
+                    payload[lane] = f32_to_bf16_bits(vals)[0]
+                else:
+                    payload[: o.count] = f32_to_bf16_bits(vals)
+        return ResolvedInstr(i, ins, payload)
+
+    def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
+        """Run the program once for ``token`` at cache position ``pos``.
+
+        Returns:
+            ``io["outputs"]`` name -> fp32 array (views of the host buffers; copy to keep).
+        Raises:
+            RunError: position beyond the compiled KV cache, or a target error.
+        """
+        max_len = self.p.info.get("max_cache_len", 0)
+        if max_len and not 0 <= pos < max_len:
+            raise RunError(f"position {pos} is outside the compiled KV cache of {max_len} positions; compile with a larger max_cache_len")
+        ctx = {"token": int(token), "pos": int(pos)}
+        for kind, seg in self.segments:
+            if kind == "host":
+                h = self.p.host_ops[seg]
+                ins = [self._val(n, ctx) for n in h.inputs]
+                outs = [self.bufs[n] for n in h.outputs]
+                KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
+            else:
+                block = [self._resolve(i, pos) for i in seg]
+                rbs = self.t.execute(block)
+                it = iter(rbs)
+                for r in block:
+                    if OPINFO[r.instr.op].data_out:
+                        o = self.p.operands[r.instr.operand]
+                        data = next(it)
+                        if r.instr.op is Op.RD_SBK:
+                            data = data.astype(np.float32)
+                        self.bufs[o.buffer][o.offset : o.offset + o.count] = data[: o.count]
+        self.steps += 1
+        return {k: self.bufs[v] for k, v in self.p.io["outputs"].items()}

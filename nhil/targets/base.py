@@ -1,0 +1,165 @@
+"""The target interface every execution target implements (sim, rtl, fpga, plugins).
+
+A runtime drives a target like this::
+
+    with get_target("sim") as t:
+        t.load(program)                     # checks capabilities, writes bank images
+        readbacks = t.execute(block)        # a block of resolved device instructions
+        t.trace()                           # one SyncRecord per SYNC executed
+
+Instructions reach a target *resolved*: position-relative flags are already bound by
+the host runtime and each data-carrying instruction comes with its payload
+(``WR_GB``/``WR_SBK``/``WR_ABK``: uint16 bf16 bits; ``WR_ACC``: float32). ``execute``
+returns, in order, one array per data-out instruction (``RD_ACC``: float32 [n];
+``RD_SBK``: uint16 [n*lanes]).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+from typing import NamedTuple
+
+import numpy as np
+
+from nhil.errors import LoadError
+from nhil.isa.device import DeviceConfig
+from nhil.isa.instr import Instr, Op, RESERVED_OPS, OPINFO
+from nhil.isa.program import Program
+
+
+class ResolvedInstr(NamedTuple):
+    """A device instruction ready to issue: no position flags, payload attached when it carries data in."""
+
+    index: int
+    instr: Instr
+    payload: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a target implements.
+
+    Attributes:
+        isa_version: ISA major version.
+        ops: device opcodes implemented.
+        formats: weight storage formats the MAC datapath reads (``bf16`` in v0).
+        device: the DeviceConfig of the device behind the target; programs must fit it.
+    """
+
+    isa_version: int
+    ops: frozenset[Op]
+    formats: frozenset[str]
+    device: DeviceConfig
+
+    def to_json(self) -> dict:
+        return {"isa_version": self.isa_version, "ops": sorted(o.name for o in self.ops), "formats": sorted(self.formats), "device": dataclasses.asdict(self.device)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRecord:
+    """State observed at one SYNC: instruction index and a sha256 over every readback since the previous SYNC."""
+
+    index: int
+    digest: str
+    readbacks: int
+
+
+class ReadbackDigest:
+    """Running sha256 over readback bytes, cut at each SYNC into a :class:`SyncRecord`."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._n = 0
+        self.records: list[SyncRecord] = []
+
+    def add(self, arr: np.ndarray) -> None:
+        self._h.update(np.ascontiguousarray(arr).tobytes())
+        self._n += 1
+
+    def sync(self, index: int) -> None:
+        self.records.append(SyncRecord(index, self._h.hexdigest(), self._n))
+        self._h = hashlib.sha256()
+        self._n = 0
+
+
+class Target(abc.ABC):
+    """Abstract execution target. Subclasses implement the abstract methods; see the module docstring."""
+
+    name: str = "?"
+
+    def __enter__(self) -> "Target":
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Acquire the target (start a simulator, open a link). Default: nothing."""
+
+    def close(self) -> None:
+        """Release it. Default: nothing."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this target implements (ISA version, opcodes, formats, device sizes)."""
+
+    @abc.abstractmethod
+    def load(self, program: Program) -> None:
+        """Reset device state and write the program's bank images.
+
+        Raises:
+            LoadError: the program needs an opcode/format the target lacks or does not fit its device.
+        """
+
+    @abc.abstractmethod
+    def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
+        """Execute resolved instructions in order; returns one array per data-out instruction.
+
+        Raises:
+            RunError: an address or size is outside the device at run time.
+        """
+
+    @abc.abstractmethod
+    def read_row(self, ch: int, bank: int, row: int) -> np.ndarray:
+        """uint16 [cols] contents of one bank row (backdoor read, for debugging and tests)."""
+
+    @abc.abstractmethod
+    def write_row(self, ch: int, bank: int, row: int, data: np.ndarray) -> None:
+        """Backdoor write of one bank row (uint16 [cols])."""
+
+    @abc.abstractmethod
+    def trace(self) -> list[SyncRecord]:
+        """One record per SYNC executed since ``load``."""
+
+    def stats(self) -> dict:
+        """Target-specific counters for the report (instructions, MACs, link counters...)."""
+        return {}
+
+
+def check_program_fits(program: Program, caps: Capabilities, target: str) -> None:
+    """Refuse a program a target cannot run, naming what is missing.
+
+    Raises:
+        LoadError: ISA version, an opcode (incl. reserved ones), a weight format, or the
+            device config differs from what the target offers.
+    """
+    need = program.required_ops()
+    missing = sorted(o.name for o in need - set(caps.ops))
+    if missing:
+        reserved = sorted(o.name for o in need & RESERVED_OPS)
+        extra = f" ({', '.join(reserved)} reserved in ISA v0)" if reserved else ""
+        raise LoadError(f"target {target} does not implement {', '.join(missing)}{extra}; the program needs them")
+    fmts = set(program.info.get("weight_formats", ["bf16"]))
+    if not fmts <= set(caps.formats):
+        raise LoadError(f"target {target} does not support weight format(s) {', '.join(sorted(fmts - set(caps.formats)))} (supports {', '.join(sorted(caps.formats))})")
+    if program.device != caps.device:
+        raise LoadError(
+            f"program compiled for device {program.device.name} ({program.device.channels} ch x {program.device.banks} banks x {program.device.rows} rows x {program.device.row_bytes} B) "
+            f"but target {target} has {caps.device.name} ({caps.device.channels} ch x {caps.device.banks} banks x {caps.device.rows} rows x {caps.device.row_bytes} B); recompile with DEVICE={caps.device.name}"
+        )
+
+
+DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS

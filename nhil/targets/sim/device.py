@@ -1,0 +1,205 @@
+"""Architectural state of the PIM device and the exact semantics of each ISA v0 instruction.
+
+State (``docs/isa.md`` section "State"):
+
+* ``BANK[ch][bank][row][col]``: bf16 bits (uint16). Only rows in use are allocated: a
+  row table maps a row index to a slot of a ``[channels, banks, slots, cols]`` array,
+  grown on first write. A row never written reads as zero.
+* ``GB[ch][i]``: global buffer, bf16 bits, ``gb_elems`` per channel.
+* ``ACC[ch][bank][k]``: fp32 accumulators.
+* ``CFR[ch][reg]``: configuration registers (reg 0 = RD_ACC format: 0 fp32, 1 bf16).
+
+The MAC arithmetic is ``nhil.numerics.mac`` (fixed-order fp32, RNE, canonical NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nhil.errors import RunError
+from nhil.isa.device import DeviceConfig
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, Instr, Op
+from nhil.numerics.bf16 import bf16_bits_to_f32, round_to_bf16
+from nhil.numerics.mac import mac_bursts
+
+
+class PimState:
+    """Mutable device state plus ``step(instr, payload)`` implementing each opcode.
+
+    Args:
+        device: sizes of the device.
+        reserve_rows: row slots to pre-allocate (growth beyond is automatic).
+    """
+
+    def __init__(self, device: DeviceConfig, reserve_rows: int = 8) -> None:
+        self.d = device
+        c, b = device.channels, device.banks
+        self.row_slot = np.full(device.rows, -1, dtype=np.int64)
+        self.mem = np.zeros((c, b, max(1, reserve_rows), device.cols), dtype=np.uint16)
+        self.n_slots = 0
+        self.gb = np.zeros((c, device.gb_elems), dtype=np.uint16)
+        self.acc = np.zeros((c, b, device.accumulators), dtype=np.float32)
+        self.cfr = np.zeros((c, 4), dtype=np.int64)
+        self.counts: dict[str, int] = {}
+        self.macs = 0
+
+    # ------------------------------------------------------------ row table
+    def slot(self, row: int, allocate: bool) -> int:
+        """Slot index of ``row`` (-1 when unallocated and ``allocate`` is False)."""
+        s = int(self.row_slot[row])
+        if s >= 0 or not allocate:
+            return s
+        if self.n_slots == self.mem.shape[2]:
+            grow = np.zeros_like(self.mem[:, :, : max(8, self.n_slots)])
+            self.mem = np.concatenate([self.mem, grow], axis=2)
+        s = self.n_slots
+        self.n_slots += 1
+        self.row_slot[row] = s
+        return s
+
+    def rows_allocated(self) -> int:
+        """Number of rows that hold data (memory actually allocated = this x channels x banks x row_bytes)."""
+        return self.n_slots
+
+    # ------------------------------------------------------------ checks
+    def _err(self, idx: int, ins: Instr, msg: str) -> RunError:
+        return RunError(f"instruction {idx} ({ins.op.name}): {msg}")
+
+    def _chans(self, idx: int, ins: Instr) -> slice:
+        if ins.flags & ALL_CH:
+            return slice(0, self.d.channels)
+        if ins.ch >= self.d.channels:
+            raise self._err(idx, ins, f"channel {ins.ch} >= {self.d.channels}")
+        return slice(ins.ch, ins.ch + 1)
+
+    def _span(self, idx: int, ins: Instr, limit: int, what: str) -> slice:
+        lo, hi = ins.col * self.d.lanes, (ins.col + ins.n) * self.d.lanes
+        if ins.n == 0 or hi > limit:
+            raise self._err(idx, ins, f"bursts [{ins.col}, {ins.col + ins.n}) outside the {what} of {limit // self.d.lanes} bursts")
+        return slice(lo, hi)
+
+    def _row(self, idx: int, ins: Instr) -> None:
+        if ins.row >= self.d.rows:
+            raise self._err(idx, ins, f"row {ins.row} >= {self.d.rows}")
+
+    def _bank(self, idx: int, ins: Instr) -> None:
+        if ins.bank >= self.d.banks:
+            raise self._err(idx, ins, f"bank {ins.bank} >= {self.d.banks}")
+
+    def _k(self, idx: int, ins: Instr) -> None:
+        if ins.k >= self.d.accumulators:
+            raise self._err(idx, ins, f"accumulator {ins.k} >= {self.d.accumulators}")
+
+    def _payload(self, idx: int, ins: Instr, payload, n: int, dtype) -> np.ndarray:
+        if payload is None or payload.size != n or payload.dtype != dtype:
+            got = "none" if payload is None else f"{payload.size} x {payload.dtype}"
+            raise self._err(idx, ins, f"payload must be {n} x {np.dtype(dtype)}, got {got}")
+        return payload
+
+    # ------------------------------------------------------------ execute
+    def step(self, idx: int, ins: Instr, payload: np.ndarray | None) -> np.ndarray | None:
+        """Execute one resolved instruction; returns readback data for data-out opcodes.
+
+        Raises:
+            RunError: any address, size or payload outside the device (names the instruction).
+        """
+        op = ins.op
+        self.counts[op.name] = self.counts.get(op.name, 0) + 1
+        d = self.d
+        L = d.lanes
+        if op is Op.MAC_AB or op is Op.MAC_SB:
+            self._row(idx, ins)
+            self._k(idx, ins)
+            cs = self._chans(idx, ins)
+            sp = self._span(idx, ins, d.cols, "row")
+            s = self.slot(ins.row, allocate=False)
+            bs = slice(None) if op is Op.MAC_AB else slice(ins.bank, ins.bank + 1)
+            if op is Op.MAC_SB:
+                self._bank(idx, ins)
+            if s < 0:
+                w = np.zeros((cs.stop - cs.start, d.banks if op is Op.MAC_AB else 1, sp.stop - sp.start), np.float32)
+            else:
+                w = bf16_bits_to_f32(self.mem[cs, bs, s, sp])
+            a = bf16_bits_to_f32(self.gb[cs, sp])[:, None, :]
+            self.acc[cs, bs, ins.k] = mac_bursts(self.acc[cs, bs, ins.k], w, a)
+            self.macs += w.size
+            return None
+        if op is Op.RD_ACC or op is Op.WR_ACC:
+            self._k(idx, ins)
+            cs = self._chans(idx, ins)
+            flat = self.acc[cs, :, ins.k].reshape(-1)
+            if ins.n == 0 or ins.col + ins.n > flat.size:
+                raise self._err(idx, ins, f"slots [{ins.col}, {ins.col + ins.n}) outside the {flat.size} accumulators addressed")
+            if op is Op.WR_ACC:
+                p = self._payload(idx, ins, payload, ins.n, np.float32)
+                flat[ins.col : ins.col + ins.n] = p
+                self.acc[cs, :, ins.k] = flat.reshape(cs.stop - cs.start, d.banks)
+                return None
+            out = flat[ins.col : ins.col + ins.n].copy()
+            if self.cfr[cs.start, CFR_ACC_RD_FMT] == 1:
+                out = round_to_bf16(out)
+            return out
+        if op is Op.WR_GB:
+            cs = self._chans(idx, ins)
+            sp = self._span(idx, ins, d.gb_elems, "global buffer")
+            self.gb[cs, sp] = self._payload(idx, ins, payload, sp.stop - sp.start, np.uint16)
+            return None
+        if op is Op.WR_SBK:
+            cs = self._chans(idx, ins)
+            self._bank(idx, ins)
+            self._row(idx, ins)
+            sp = self._span(idx, ins._replace(n=1), d.cols, "row")
+            p = self._payload(idx, ins, payload, L, np.uint16)
+            s = self.slot(ins.row, allocate=True)
+            lanes = ((ins.imm >> np.arange(L)) & 1).astype(bool)
+            seg = self.mem[cs, ins.bank, s, sp]
+            seg[:, lanes] = p[lanes]
+            self.mem[cs, ins.bank, s, sp] = seg
+            return None
+        if op is Op.WR_ABK:
+            cs = self._chans(idx, ins)
+            self._row(idx, ins)
+            sp = self._span(idx, ins, d.cols, "row")
+            p = self._payload(idx, ins, payload, sp.stop - sp.start, np.uint16)
+            s = self.slot(ins.row, allocate=True)
+            self.mem[cs, :, s, sp] = p
+            return None
+        if op is Op.RD_SBK:
+            cs = self._chans(idx, ins)
+            if cs.stop - cs.start != 1:
+                raise self._err(idx, ins, "RD_SBK reads one channel; ALL_CH is not allowed")
+            self._bank(idx, ins)
+            self._row(idx, ins)
+            sp = self._span(idx, ins, d.cols, "row")
+            s = self.slot(ins.row, allocate=False)
+            if s < 0:
+                return np.zeros(sp.stop - sp.start, np.uint16)
+            return self.mem[cs.start, ins.bank, s, sp].copy()
+        if op is Op.COPY_BK_GB or op is Op.COPY_GB_BK:
+            cs = self._chans(idx, ins)
+            self._bank(idx, ins)
+            self._row(idx, ins)
+            sp = self._span(idx, ins, min(d.cols, d.gb_elems), "row/global buffer")
+            if op is Op.COPY_BK_GB:
+                s = self.slot(ins.row, allocate=False)
+                self.gb[cs, sp] = 0 if s < 0 else self.mem[cs, ins.bank, s, sp]
+            else:
+                s = self.slot(ins.row, allocate=True)
+                self.mem[cs, ins.bank, s, sp] = self.gb[cs, sp]
+            return None
+        if op is Op.SET_CFR:
+            cs = self._chans(idx, ins)
+            if ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
+                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1)")
+            self.cfr[cs, ins.k] = ins.imm
+            return None
+        if op in (Op.NOP, Op.SYNC, Op.EOC):
+            return None
+        raise self._err(idx, ins, "opcode not implemented by the simulator (reserved in ISA v0)")
+
+    def load_images(self, images) -> None:
+        """Write bank images (``BankImage`` list) into fresh state."""
+        for img in images:
+            s = self.slot(img.row, allocate=True)
+            if img.data is not None:
+                self.mem[:, :, s, :] = img.data

@@ -1,0 +1,70 @@
+"""``sim`` target: the functional simulator behind the Target interface."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
+from nhil.isa.instr import OPINFO, Op
+from nhil.isa.program import Program
+from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
+from nhil.targets.sim.device import PimState
+
+
+class SimTarget(Target):
+    """Functional simulator of one PIM device.
+
+    Args:
+        device: a DeviceConfig or preset name; ``None`` adopts the device of the loaded
+            program (the simulator can model any size).
+    """
+
+    name = "sim"
+
+    def __init__(self, device: DeviceConfig | str | None = None, **_ignored) -> None:
+        self._fixed = DEVICE_PRESETS[device] if isinstance(device, str) else device
+        self.state: PimState | None = None
+        self._digest = ReadbackDigest()
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(0, DEVICE_OPS, frozenset({"bf16"}), self._fixed or (self.state.d if self.state else DEVICE_PRESETS["aim-like"]))
+
+    def load(self, program: Program) -> None:
+        dev = self._fixed or program.device
+        check_program_fits(program, Capabilities(0, DEVICE_OPS, frozenset({"bf16"}), dev), self.name)
+        self.state = PimState(dev, reserve_rows=len(program.bank_images) + 8)
+        self.state.load_images(program.bank_images)
+        self._digest = ReadbackDigest()
+
+    def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
+        st = self.state
+        assert st is not None, "load() a program first"
+        out = []
+        for idx, ins, payload in block:
+            r = st.step(idx, ins, payload)
+            if r is not None:
+                out.append(r)
+                self._digest.add(r)
+            elif ins.op is Op.SYNC:
+                self._digest.sync(idx)
+        return out
+
+    def read_row(self, ch: int, bank: int, row: int) -> np.ndarray:
+        s = self.state.slot(row, allocate=False)
+        return np.zeros(self.state.d.cols, np.uint16) if s < 0 else self.state.mem[ch, bank, s].copy()
+
+    def write_row(self, ch: int, bank: int, row: int, data: np.ndarray) -> None:
+        s = self.state.slot(row, allocate=True)
+        self.state.mem[ch, bank, s] = data
+
+    def trace(self) -> list[SyncRecord]:
+        return list(self._digest.records)
+
+    def stats(self) -> dict:
+        st = self.state
+        if st is None:
+            return {}
+        return {"instructions": dict(st.counts), "macs": st.macs, "rows_allocated": st.rows_allocated(), "bytes_allocated": int(st.mem[:, :, : st.n_slots].nbytes)}
+
+
+assert all(OPINFO[o].device for o in DEVICE_OPS)
