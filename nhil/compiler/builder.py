@@ -24,11 +24,18 @@ import numpy as np
 
 from nhil.errors import CompileError
 from nhil.isa.device import DeviceConfig
-from nhil.isa.instr import ALL_CH, NO_OPERAND, Instr, Op
+from nhil.isa.instr import ALL_CH, NO_OPERAND, OPINFO, Instr, Op
 from nhil.isa.program import BankImage, HostOp, Operand, Program
 from nhil.numerics.bf16 import f32_to_bf16_bits
 
 ZEROS = "zeros"
+
+
+def to_f32(t) -> np.ndarray:
+    """A contiguous float32 numpy copy of a torch tensor (detached) or array."""
+    if hasattr(t, "detach"):
+        t = t.detach().cpu().numpy()
+    return np.ascontiguousarray(t, dtype=np.float32)
 
 
 @dataclasses.dataclass
@@ -62,6 +69,7 @@ class ProgramBuilder:
         self.next_row = 0
         self._gb: tuple | None = None  # (buffer, offset, count) currently in every channel's GB at col 0
         self.placements: dict[str, MatrixPlacement] = {}
+        self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
 
     # ------------------------------------------------------------ tables
     def buffer(self, name: str, size: int) -> str:
@@ -81,24 +89,32 @@ class ProgramBuilder:
 
     def emit(self, op: Op, *, all_ch: bool = True, flags: int = 0, ch=0, bank=0, row=0, col=0, n=0, k=0, imm=0, operand: int = NO_OPERAND) -> None:
         """Append one device instruction (``all_ch`` sets the ALL_CH flag)."""
+        info = OPINFO[op]
+        if info.data_in and self.operands[operand].buffer in self._pending_reads:
+            self.sync()  # read-after-readback: the host must hold the data before it sends it back
+        if info.data_out:
+            self._pending_reads.add(self.operands[operand].buffer)
         if op is Op.WR_GB:
             self._gb = None
         self.instrs.append(Instr(op, flags | (ALL_CH if all_ch else 0), ch, bank, row, col, n, operand, k, imm))
 
+    def sync(self) -> None:
+        """Append a SYNC: readbacks before it reach the host before anything after it is issued."""
+        self.instrs.append(Instr(Op.SYNC))
+        self._pending_reads.clear()
+
     def host(self, kernel: str, inputs: list[str], outputs: list[str], **attrs) -> None:
         """Append a HOST call (preceded by a SYNC so earlier readbacks are complete)."""
         if self.instrs and self.instrs[-1].op not in (Op.SYNC, Op.HOST):
-            self.instrs.append(Instr(Op.SYNC))
+            self.sync()
         self.host_ops.append(HostOp(kernel, tuple(inputs), tuple(outputs), attrs))
         self.instrs.append(Instr(Op.HOST, imm=len(self.host_ops) - 1))
-        self._gb = self._gb  # host code never touches device state
 
     def host_image(self, name: str, arr) -> str:
         """Register an fp32 host constant (norm weight, embedding table, inv_freq)."""
-        a = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))
         if name in self.host_images:
             return name
-        self.host_images[name] = a
+        self.host_images[name] = to_f32(arr)
         return name
 
     def alloc_rows(self, n: int, zero: bool = True) -> int:
@@ -120,7 +136,7 @@ class ProgramBuilder:
         """Store ``w`` (fp32 [n_out, n_in], torch or numpy) in banks as bf16; idempotent per ``name``."""
         if name in self.placements:
             return self.placements[name]
-        w = np.asarray(w.detach().cpu().numpy() if hasattr(w, "detach") else w, dtype=np.float32)
+        w = to_f32(w)
         n_out, n_in = w.shape
         d = self.d
         chunk = min(d.cols, d.gb_elems)
@@ -177,7 +193,7 @@ class ProgramBuilder:
     def finish(self, io: dict, info: dict) -> Program:
         """Close the stream with SYNC + EOC and return the validated Program."""
         if not self.instrs or self.instrs[-1].op is not Op.SYNC:
-            self.instrs.append(Instr(Op.SYNC))
+            self.sync()
         self.instrs.append(Instr(Op.EOC))
         prog = Program(self.d, self.instrs, self.operands, self.host_ops, self.buffers, sorted(self.bank_images, key=lambda b: b.row), self.host_images, io, info)
         prog.validate()

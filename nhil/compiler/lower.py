@@ -162,7 +162,7 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             a1, a2 = node.args
             b.buffer(out, _numel(node))
             b.host("add", [arg_buf(a1), arg_buf(a2)], [out])
-            m = re.match(r"model\.layers\.(\d+)$", path)
+            m = re.search(r"(?:^|\.)layers\.(\d+)$", path)
             if m:
                 layer_out[int(m.group(1))] = out
         else:

@@ -18,7 +18,9 @@ Binary layout (``docs/program-format.md``), all integers little-endian::
     ..   8   N = instruction count
     ..  16N  instruction words (``nhil.isa.instr``)
     ..   8   B = blob byte length
-    ..   B   blob: bank and host image bytes at the offsets the metadata gives
+    ..   B   blob: bank and host image bytes at the offsets the metadata gives (a bank
+             image stores only its leading ``slots x cols`` rectangle, slot = ch*banks+bank;
+             the rest of the row is zero)
     ..   4   CRC-32 (zlib/IEEE 802.3 polynomial 0x04C11DB7, reflected, init/xorout 0xFFFFFFFF)
              of every preceding byte
 """
@@ -43,6 +45,7 @@ ISA_VERSION = 0
 _HEAD = struct.Struct("<8sHHIQ")
 _U64 = struct.Struct("<Q")
 MAX_META_BYTES = 64 << 20
+STEP_INPUTS = frozenset({"$token", "$pos"})  # per-step scalar inputs host ops may read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,7 @@ class Program:
                 raise ProgramFormatError(f"operand {i} refers to unknown buffer {o.buffer!r}")
             if o.offset < 0 or o.count <= 0 or o.offset + o.count > self.buffers[o.buffer]:
                 raise ProgramFormatError(f"operand {i} slice [{o.offset}:{o.offset + o.count}] is outside buffer {o.buffer!r} of {self.buffers[o.buffer]} elements")
-        known = set(self.buffers) | set(self.host_images)
+        known = set(self.buffers) | set(self.host_images) | STEP_INPUTS
         for i, h in enumerate(self.host_ops):
             for nm in (*h.inputs, *h.outputs):
                 if nm not in known:
@@ -166,8 +169,10 @@ class Program:
             if img.data is None:
                 bank_idx.append({"row": img.row, "zero": True})
                 continue
-            b = np.ascontiguousarray(img.data, dtype="<u2").tobytes()
-            bank_idx.append({"row": img.row, "offset": off, "nbytes": len(b)})
+            slots, cols = _used_rect(img.data, self.device)
+            flat = img.data.reshape(self.device.slots, self.device.cols)
+            b = np.ascontiguousarray(flat[:slots, :cols], dtype="<u2").tobytes()
+            bank_idx.append({"row": img.row, "offset": off, "nbytes": len(b), "slots": slots, "cols": cols})
             chunks.append(b)
             off += len(b)
         host_idx = []
@@ -269,9 +274,12 @@ class Program:
                 banks.append(BankImage(int(e["row"]), None))
                 continue
             raw = take(int(e["offset"]), int(e["nbytes"]), f"bank image row {e['row']}")
-            if len(raw) != 2 * shape[0] * shape[1] * shape[2]:
-                raise ValueError(f"bank image row {e['row']} has {len(raw)} bytes, expected {2 * np.prod(shape)}")
-            banks.append(BankImage(int(e["row"]), np.frombuffer(raw, dtype="<u2").reshape(shape)))
+            slots, cols = int(e["slots"]), int(e["cols"])
+            if not (0 <= slots <= device.slots and 0 <= cols <= device.cols) or len(raw) != 2 * slots * cols:
+                raise ValueError(f"bank image row {e['row']}: {len(raw)} bytes for {slots} slots x {cols} cols (device has {device.slots} x {device.cols})")
+            full = np.zeros((device.slots, device.cols), np.uint16)
+            full[:slots, :cols] = np.frombuffer(raw, dtype="<u2").reshape(slots, cols)
+            banks.append(BankImage(int(e["row"]), full.reshape(shape)))
         hosts = {}
         for e in meta["host_images"]:
             shp = tuple(int(s) for s in e["shape"])
@@ -313,6 +321,19 @@ class Program:
         except OSError as e:
             raise ProgramFormatError(f"cannot read program {path}: {e.strerror}") from None
         return cls.decode(data, source=str(path))
+
+
+def _used_rect(data: np.ndarray, device: DeviceConfig) -> tuple[int, int]:
+    """(slots, cols) of the smallest leading rectangle holding every nonzero element of a row image.
+
+    Compilers place matrices from slot 0 and column 0, so the file stores only that
+    rectangle (zero elsewhere); it keeps ``.pimb`` files near the size of the weights.
+    """
+    flat = data.reshape(device.slots, device.cols)
+    nz = flat != 0
+    rows = np.flatnonzero(nz.any(axis=1))
+    cols = np.flatnonzero(nz.any(axis=0))
+    return (int(rows[-1]) + 1 if rows.size else 0, int(cols[-1]) + 1 if cols.size else 0)
 
 
 def canonical_json(obj) -> str:

@@ -1,6 +1,8 @@
 """Runs one program step on a target: host kernels, operand binding, device blocks.
 
-The instruction stream is split at ``HOST`` instructions into device blocks. For each
+The instruction stream is split into device blocks at ``HOST`` instructions and after
+every ``SYNC`` (the compiler puts a SYNC between a readback and any later instruction
+that sends the read data back to the device). For each
 step the runner binds the step's inputs (``$token``, ``$pos``), resolves every device
 instruction (position-relative flags -> concrete addresses, operand -> payload bytes)
 and hands each block to ``target.execute``; readbacks are scattered into their
@@ -46,6 +48,8 @@ class Runner:
             if h.kernel not in KERNELS:
                 raise RunError(f"program calls unknown host kernel {h.kernel!r}; this nhil has {', '.join(sorted(KERNELS))}")
         self.bufs = {n: np.zeros(c, np.float32) for n, c in program.buffers.items()}
+        # writable copies: a decoded program's images are read-only views of the file bytes
+        self.images = {n: np.array(a, dtype=np.float32) for n, a in program.host_images.items()}
         self.segments: list[tuple[str, object]] = []
         cur: list[int] = []
         for i, ins in enumerate(program.instrs):
@@ -56,6 +60,9 @@ class Runner:
                 self.segments.append(("host", ins.imm))
             else:
                 cur.append(i)
+                if ins.op is Op.SYNC:  # a SYNC ends a block: readbacks reach the host before what follows
+                    self.segments.append(("dev", cur))
+                    cur = []
         if cur:
             self.segments.append(("dev", cur))
         self.device_instructions = sum(len(s[1]) for s in self.segments if s[0] == "dev")
@@ -71,7 +78,7 @@ class Runner:
             return ctx[name[1:]]
         if name in self.bufs:
             return self.bufs[name]
-        return self.p.host_images[name]
+        return self.images[name]
 
     def _resolve(self, i: int, pos: int) -> ResolvedInstr:
         ins = self.p.instrs[i]

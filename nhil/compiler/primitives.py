@@ -1,0 +1,256 @@
+"""nhil graph-IR primitives (``torch.ops.nhil.*``), registered with ``torch.library``.
+
+Each primitive has a *reference kernel*, which is its numerics definition, and a *fake
+kernel* (shapes/dtypes only, for ``FakeTensorProp`` and export). The reference kernels
+use the same torch ops in the same order as transformers 5.24's Llama code
+(``transformers/models/llama/modeling_llama.py``, ``integrations/sdpa_attention.py``,
+``masking_utils.py``) as they appear in the exported ATen graph, so a raised graph is
+bit-identical to the exported one.
+
+Layout convention: activations are token-major ``[B, S, features]``; multi-head tensors
+are flat with heads concatenated (``[B, S, heads * head_dim]``), as fed to / produced by
+the q/k/v/o projections. All float tensors are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LIB = torch.library.Library("nhil", "DEF")  # noqa: the library object must stay alive
+
+_SCHEMAS = {
+    "embedding": "embedding(Tensor table, Tensor ids) -> Tensor",
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "linear": "linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "rope_cos_sin": "rope_cos_sin(Tensor position_ids, Tensor inv_freq, float attention_scaling) -> (Tensor, Tensor)",
+    "rope": "rope(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor",
+    "attention_kv": (
+        "attention_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor cache_position, int num_heads, int num_kv_heads, float scale) -> Tensor"
+    ),
+    "attention": "attention(Tensor q, Tensor k, Tensor v, int num_heads, int num_kv_heads, float scale) -> Tensor",
+    "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
+    "add": "add(Tensor a, Tensor b) -> Tensor",
+}
+for _schema in _SCHEMAS.values():
+    LIB.define(_schema)
+
+PRIMITIVES = tuple(_SCHEMAS)
+
+
+def _impl(name):
+    def deco(fn):
+        torch.library.impl(f"nhil::{name}", "CompositeExplicitAutograd", lib=LIB)(fn)
+        return fn
+
+    return deco
+
+
+def _fake(name):
+    return torch.library.register_fake(f"nhil::{name}", lib=LIB)
+
+
+# ---------------------------------------------------------------- reference kernels
+
+
+@_impl("embedding")
+def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row gather: table [V,H] fp32, ids [B,S] int64 -> [B,S,H]. Source: nn.Embedding (aten.embedding)."""
+    return F.embedding(ids, table)
+
+
+@_impl("rms_norm")
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: x [B,S,H], weight [H] -> [B,S,H].
+
+    ``weight * (x32 * rsqrt(mean(x32**2, -1) + eps)).to(x.dtype)`` with x32 = x in fp32
+    (modeling_llama.LlamaRMSNorm.forward, same op order).
+    """
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+@_impl("linear")
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [B,S,K] @ weight[N,K]^T (+ bias[N]) -> [B,S,N] (torch.nn.functional.linear)."""
+    return F.linear(x, weight, bias)
+
+
+def _positions_2d(position_ids: torch.Tensor) -> torch.Tensor:
+    return position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
+
+
+@_impl("rope_cos_sin")
+def rope_cos_sin_ref(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float):
+    """Default-RoPE tables: position_ids [B,S] int64 (or [S], read as [1,S]), inv_freq [hd/2] fp32
+    -> (cos, sin), each [B,S,hd] fp32.
+
+    ``freqs = pos[..., None].float() * inv_freq``; ``emb = cat(freqs, freqs)``;
+    ``cos = emb.cos() * scaling``, ``sin = emb.sin() * scaling``
+    (modeling_llama.LlamaRotaryEmbedding.forward in transformers 5.24, which uses a
+    broadcast multiply, not the older matmul).
+    """
+    pos = _positions_2d(position_ids)
+    freqs = pos[..., None].float() * inv_freq.to(dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * attention_scaling
+    sin = emb.sin() * attention_scaling
+    return cos, sin
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B,S,n*hd] -> [B,n,S,hd] view (as LlamaAttention: view(..., -1, hd).transpose(1, 2))."""
+    b, s, _ = x.shape
+    return x.view(b, s, -1, head_dim).transpose(1, 2)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(xh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return (xh * cos) + (_rotate_half(xh) * sin)
+
+
+@_impl("rope")
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rotate-half RoPE per head: x [B,S,nh*hd], cos/sin [B,S,hd] -> [B,S,nh*hd] (same layout).
+
+    ``x*cos + rotate_half(x)*sin`` per head (modeling_llama.apply_rotary_pos_emb).
+    """
+    b, s, _ = x.shape
+    out = _apply_rope(_heads(x, head_dim), cos, sin)
+    return out.transpose(1, 2).reshape(b, s, -1).contiguous()
+
+
+def _repeat_kv(xh: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B,Hkv,L,hd] -> [B,Hkv*n_rep,L,hd] (modeling_llama.repeat_kv: None-index, expand, reshape)."""
+    b, hkv, slen, hd = xh.shape
+    return xh[:, :, None, :, :].expand(b, hkv, n_rep, slen, hd).reshape(b, hkv * n_rep, slen, hd)
+
+
+def _sdpa_flat(qh, kh, vh, mask, scale, s):
+    """SDPA + the exported output re-layout: [B,Hq,S,hd] -> [B,S,Hq*hd]."""
+    b, _, _, hd = qh.shape
+    o = F.scaled_dot_product_attention(qh, kh, vh, mask, scale=scale)
+    return o.reshape(b, -1, s, hd).transpose(1, 2).reshape(b, s, -1).contiguous()
+
+
+def _check_heads(q, k, num_heads, num_kv_heads):
+    if num_heads % num_kv_heads or q.shape[-1] % num_heads:
+        raise ValueError(f"bad head counts: q width {q.shape[-1]}, {num_heads} q heads, {num_kv_heads} kv heads")
+    hd = q.shape[-1] // num_heads
+    if k.shape[-1] != num_kv_heads * hd:
+        raise ValueError(f"k width {k.shape[-1]} != {num_kv_heads} kv heads * head_dim {hd}")
+    return hd, num_heads // num_kv_heads
+
+
+@_impl("attention_kv")
+def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, num_kv_heads: int, scale: float):
+    """Static-KV-cache causal GQA attention.
+
+    q [B,S,Hq*hd], k/v [B,S,Hkv*hd] (k already RoPE'd), k_cache/v_cache [B,Hkv,L,hd]
+    (mutated in place: ``index_copy_(2, cache_position, ·)``), cache_position [S] int64
+    -> [B,S,Hq*hd]. Key j is visible to query i iff ``j <= cache_position[i]``.
+    Source: transformers StaticCache.update (index_copy_), masking_utils causal mask
+    (``kv_idx <= q_idx``, bool [B,1,S,L]), modeling_llama.repeat_kv and
+    sdpa_attention_forward (``F.scaled_dot_product_attention(q, k, v, mask, scale=scale)``).
+
+    Raises:
+        ValueError: inconsistent head counts / widths.
+    """
+    hd, n_rep = _check_heads(q, k, num_heads, num_kv_heads)
+    b, s, _ = q.shape
+    k_cache.index_copy_(2, cache_position, _heads(k, hd))
+    v_cache.index_copy_(2, cache_position, _heads(v, hd))
+    L = k_cache.shape[2]
+    kv_idx = torch.arange(L, device=q.device)
+    mask = (kv_idx[None, None, None, :] <= cache_position[None, None, :, None]).expand(b, -1, s, L)
+    return _sdpa_flat(_heads(q, hd), _repeat_kv(k_cache, n_rep), _repeat_kv(v_cache, n_rep), mask, scale, s)
+
+
+@_impl("attention")
+def attention_ref(q, k, v, num_heads: int, num_kv_heads: int, scale: float):
+    """Causal GQA attention without cache (prefill from position 0).
+
+    q [B,S,Hq*hd], k/v [B,S,Hkv*hd] -> [B,S,Hq*hd]; key j visible to query i iff j <= i.
+    Same op sequence as :func:`attention_kv_ref` minus the cache write (sources ditto).
+
+    Raises:
+        ValueError: inconsistent head counts / widths.
+    """
+    hd, n_rep = _check_heads(q, k, num_heads, num_kv_heads)
+    b, s, _ = q.shape
+    idx = torch.arange(s, device=q.device)
+    mask = (idx[None, None, None, :] <= idx[None, None, :, None]).expand(b, -1, s, s)
+    return _sdpa_flat(_heads(q, hd), _repeat_kv(_heads(k, hd), n_rep), _repeat_kv(_heads(v, hd), n_rep), mask, scale, s)
+
+
+@_impl("silu_mul")
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gating ``silu(gate) * up``; gate/up [B,S,I] -> [B,S,I] (LlamaMLP.forward)."""
+    return F.silu(gate) * up
+
+
+@_impl("add")
+def add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Residual add ``a + b`` (same shapes) (LlamaDecoderLayer.forward)."""
+    return a + b
+
+
+# ---------------------------------------------------------------- fake kernels
+
+
+@_fake("embedding")
+def _embedding_fake(table, ids):
+    return table.new_empty((*ids.shape, table.shape[1]))
+
+
+@_fake("rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@_fake("linear")
+def _linear_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_fake("rope_cos_sin")
+def _rope_cos_sin_fake(position_ids, inv_freq, attention_scaling):
+    pos = _positions_2d(position_ids)
+    shape = (*pos.shape, 2 * inv_freq.shape[0])
+    return inv_freq.new_empty(shape, dtype=torch.float32), inv_freq.new_empty(shape, dtype=torch.float32)
+
+
+@_fake("rope")
+def _rope_fake(x, cos, sin, head_dim):
+    return torch.empty_like(x)
+
+
+@_fake("attention_kv")
+def _attention_kv_fake(q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale):
+    return torch.empty_like(q)
+
+
+@_fake("attention")
+def _attention_fake(q, k, v, num_heads, num_kv_heads, scale):
+    return torch.empty_like(q)
+
+
+@_fake("silu_mul")
+def _silu_mul_fake(gate, up):
+    return torch.empty_like(gate)
+
+
+@_fake("add")
+def _add_fake(a, b):
+    return torch.empty_like(a)

@@ -1,0 +1,298 @@
+"""``nhil verify``: compile a model, run it on a target, check it against the golden.
+
+Stages (each timed; the report is rewritten after every stage so a crash or a hang
+still leaves one): load model -> golden (reuse or generate) -> export -> raise ->
+lower -> encode/decode ``.pimb`` -> load on target -> teacher-forced run -> free-running
+greedy run -> compare -> report. The outcome is one of ``docs/outcomes.md``:
+COMPILE_FAIL, LOAD_FAIL, LINK_FAIL, RUN_FAIL, CRASH, MISMATCH, PASS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from nhil.errors import NhilError
+
+PROFILE = "bf16-act-fp32-acc"
+SAVE_PROGRAM_MAX_BYTES = int(os.environ.get("NHIL_SAVE_PROGRAM_MAX_BYTES", 64 << 20))  # bigger programs: `nhil compile -o`
+
+
+@dataclasses.dataclass
+class VerifyOptions:
+    """Options of one verify run (the Makefile variables in brackets).
+
+    Attributes:
+        model: registry name [MODEL].
+        target: target name [TARGET].
+        prompt: prompt text (or comma-separated ids for tokenizer-less models) [PROMPT].
+        tokens: tokens to decode [TOKENS].
+        seed: run seed [SEED].
+        device: DeviceConfig preset to compile for; default: the target's own device [DEVICE].
+        regen: regenerate the golden even if a matching one exists [REGEN].
+        goldens_dir / runs_dir: where goldens and run folders live.
+        target_options: extra keyword options for the target factory.
+        lockstep: for non-sim targets, also run the simulator and compare at every SYNC.
+        save_program: write ``program.pimb`` into the run folder.
+    """
+
+    model: str = "llama"
+    target: str = "sim"
+    prompt: str | None = None
+    tokens: int = 16
+    seed: int = 0
+    device: str | None = None
+    regen: bool = False
+    goldens_dir: Path = Path("goldens")
+    runs_dir: Path = Path("runs")
+    target_options: dict = dataclasses.field(default_factory=dict)
+    lockstep: bool = True
+    save_program: bool = True
+
+    def reproducer(self) -> str:
+        parts = [f"make verify MODEL={self.model} TARGET={self.target} TOKENS={self.tokens} SEED={self.seed}"]
+        if self.prompt is not None:
+            parts.append(f"PROMPT={shlex.quote(self.prompt)}")
+        if self.device:
+            parts.append(f"DEVICE={self.device}")
+        return " ".join(parts)
+
+
+def _log(msg: str) -> None:
+    print(f"[nhil] {msg}", file=sys.stderr, flush=True)
+
+
+class _Run:
+    def __init__(self, opts: VerifyOptions) -> None:
+        self.o = opts
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        self.dir = Path(opts.runs_dir) / f"{stamp}-{opts.model}-{opts.target}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.report: dict = {
+            "outcome": "INCOMPLETE",
+            "stage": "start",
+            "model": opts.model,
+            "target": opts.target,
+            "tokens": opts.tokens,
+            "seed": opts.seed,
+            "reproducer": opts.reproducer(),
+            "run_dir": str(self.dir),
+            "checks": [],
+            "steps": [],
+            "layers": [],
+            "timings": {},
+            "first_divergent_layer": None,
+        }
+        self.write()
+
+    def write(self) -> None:
+        from nhil.report.writer import atomic_write_text, render_markdown, write_json
+
+        write_json(self.dir / "report.json", self.report)
+        if self.report["outcome"] != "INCOMPLETE":
+            atomic_write_text(self.dir / "report.md", render_markdown(self.report))
+
+    def stage(self, name: str):
+        run = self
+
+        class _S:
+            def __enter__(s):
+                run.report["stage"] = name
+                run.write()
+                _log(f"{name} ...")
+                s.t0 = time.perf_counter()
+                return s
+
+            def __exit__(s, *exc):
+                dt = time.perf_counter() - s.t0
+                run.report["timings"][name] = round(dt, 3)
+                if exc[0] is None:
+                    _log(f"{name}: {dt:.1f} s")
+                return False
+
+        return _S()
+
+    def check(self, name: str, passed: bool, detail: str) -> None:
+        self.report["checks"].append({"name": name, "passed": bool(passed), "detail": detail})
+
+
+def verify(opts: VerifyOptions) -> dict:
+    """Run the whole pipeline once; returns the report dict (also written to the run folder).
+
+    Never raises for user-facing failures: they become the report's outcome with a
+    message; an unexpected exception becomes CRASH with its traceback saved to
+    ``<run>/traceback.txt``.
+    """
+    run = _Run(opts)
+    try:
+        _verify(run)
+    except NhilError as e:
+        run.report["outcome"] = e.outcome
+        run.report["error"] = str(e)
+        if getattr(e, "detail", None):
+            run.report["cross_target_first_mismatch"] = e.detail
+    except Exception as e:  # noqa: BLE001 - turned into a CRASH outcome with the traceback kept
+        run.report["outcome"] = "CRASH"
+        run.report["error"] = f"{type(e).__name__}: {e} (traceback in {run.dir / 'traceback.txt'})"
+        (run.dir / "traceback.txt").write_text(traceback.format_exc())
+    run.write()
+    return run.report
+
+
+def _verify(run: _Run) -> None:
+    import torch
+
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.golden import metrics
+    from nhil.golden.generate import generate_golden
+    from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
+    from nhil.golden.tolerances import PROFILES, check, failing
+    from nhil.isa import DEVICE_PRESETS, Program
+    from nhil.models import get_model
+    from nhil.runtime import Runner, run_greedy, run_teacher_forced
+    from nhil.targets import get_target
+    from nhil.targets.lockstep import LockstepTarget
+
+    o = run.o
+    R = run.report
+    torch.manual_seed(o.seed)
+    with run.stage("load_model"):
+        bundle = get_model(o.model)
+        prompt_ids = bundle.encode(o.prompt)
+    R["prompt"] = o.prompt if o.prompt is not None else (bundle.default_prompt or ",".join(map(str, prompt_ids)))
+    R["prompt_ids"] = prompt_ids
+    R["weights_id"] = bundle.weights_id
+
+    with run.stage("golden"):
+        key = golden_key(prompt_ids, o.tokens, bundle.weights_id, seed=o.seed)
+        gpath = golden_path(o.goldens_dir, o.model, key)
+        expect = {"model": o.model, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
+        if gpath.exists() and not o.regen:
+            gt, gmeta = load_golden(gpath, expect=expect)
+            R["golden"] = {"path": str(gpath), "reused": True}
+        else:
+            gt, gmeta = generate_golden(bundle, prompt_ids, o.tokens, seed=o.seed, prompt_text=R["prompt"])
+            sha = write_golden(gpath, gt, gmeta)
+            R["golden"] = {"path": str(gpath), "reused": False, "sha256": sha}
+    golden_tokens = [int(t) for t in gt["tokens"].tolist()]
+    R["golden_tokens"] = golden_tokens
+    R["golden_text"] = bundle.decode(golden_tokens)
+
+    target = get_target(o.target, **o.target_options)
+    caps_device = None
+    try:
+        caps_device = target.capabilities().device if o.target != "sim" else None
+    except NhilError:
+        raise
+    dev_name = o.device or (caps_device.name if caps_device else "aim-like")
+    if dev_name not in DEVICE_PRESETS:
+        from nhil.errors import SetupError
+
+        raise SetupError(f"unknown DEVICE {dev_name!r}; presets: {', '.join(DEVICE_PRESETS)}")
+    device = DEVICE_PRESETS[dev_name]
+    if o.target == "sim" and o.device:
+        target = get_target("sim", device=device)
+    max_len = int(math.ceil((len(prompt_ids) + o.tokens) / 16) * 16)
+    R["device"] = dataclasses.asdict(device)
+    R["max_cache_len"] = max_len
+
+    with run.stage("export"):
+        ep, example = export_decode(bundle.model, max_len)
+        R["export_nodes"] = len(ep.graph.nodes)
+    with run.stage("raise"):
+        raised = raise_graph(ep, "decode")
+        R["raised_primitives"] = dict(raised.counts)
+    with run.stage("lower"):
+        program = lower_decode_graph(raised.gm, device, model_name=o.model)
+    with run.stage("encode"):
+        blob = program.encode()
+        program = Program.decode(blob, source="<encoded program>")
+        same = program.encode() == blob
+        run.check("program_round_trip", same, f".pimb of {len(blob)} bytes decodes and re-encodes byte-identically")
+        if o.save_program and len(blob) <= SAVE_PROGRAM_MAX_BYTES:
+            from nhil.util import atomic_write_bytes
+
+            atomic_write_bytes(run.dir / "program.pimb", blob)
+    R["program"] = {
+        "bytes": len(blob),
+        "instructions": len(program.instrs),
+        "host_ops": len(program.host_ops),
+        "bank_rows": len(program.bank_images),
+        "device": device.name,
+    }
+
+    dut = LockstepTarget(target) if (o.lockstep and o.target != "sim") else target
+    with dut:
+        runner = Runner(program, dut)
+        R["program"]["device_instructions_per_step"] = runner.device_instructions
+        with run.stage("load_target"):
+            runner.reset()
+        total = len(prompt_ids) + o.tokens - 1
+
+        def progress(i, n):
+            if i == n or i % 5 == 0:
+                _log(f"  step {i}/{n}")
+
+        with run.stage("run_teacher_forced"):
+            tf = run_teacher_forced(runner, prompt_ids, golden_tokens, progress=progress)
+        all_agree = tf.tokens == golden_tokens
+        with run.stage("run_free"):
+            free = run_greedy(runner, prompt_ids, o.tokens, progress=progress)
+        R["target_stats"] = dut.stats()
+    R["target_tokens"] = free.tokens
+    R["target_text"] = bundle.decode(free.tokens)
+    R["positions_run"] = total
+
+    with run.stage("compare"):
+        cmp = metrics.compare_logits(gt["logits"].numpy(), tf.logits)
+        steps = []
+        step_fail = []
+        for s in cmp["steps"]:
+            s = dict(s)
+            s["position"] = len(prompt_ids) - 1 + s["step"]
+            s["golden_token"] = golden_tokens[s["step"]]
+            s["target_token"] = s.pop("test_top1")
+            v = failing(check(PROFILE, "logits", s))
+            s["passed"] = not v
+            if v:
+                step_fail.append(f"step {s['step']}: " + "; ".join(str(x) for x in v))
+            steps.append(s)
+        R["steps"] = steps
+        R["kl_mean"], R["kl_max"] = cmp["kl_mean"], cmp["kl_max"]
+        run.check("teacher_forced_top1", all_agree, f"target top-1 equals the golden token at {sum(a == b for a, b in zip(tf.tokens, golden_tokens))}/{len(golden_tokens)} steps")
+        run.check("logits_within_tolerance", not step_fail, "; ".join(step_fail) if step_fail else f"all {len(steps)} steps within the {PROFILE} logits thresholds")
+        fdt = metrics.first_divergent_token(golden_tokens, free.tokens)
+        run.check("free_running_tokens", fdt is None, "free-running greedy tokens equal the golden's" if fdt is None else f"first divergent token at step {fdt}: golden {golden_tokens[fdt]} vs target {free.tokens[fdt]}")
+        layers = []
+        first_bad = None
+        names = ["act.model.embed_tokens"] + sorted((k for k in gt if k.startswith("act.model.layers.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+        for name in names:
+            if name not in tf.acts:
+                continue
+            ref = gt[name].numpy()
+            got = tf.acts[name][: ref.shape[0]]
+            m = metrics.compare_tensors(ref, got)
+            v = failing(check(PROFILE, "hidden", m))
+            row = {"layer": name.removeprefix("act."), "cosine": m["cosine"], "sqnr_db": m["sqnr_db"], "max_abs": m["max_abs"], "rel_l2": m["rel_l2"], "passed": not v}
+            if v and first_bad is None:
+                first_bad = {"layer": row["layer"], "violations": [str(x) for x in v]}
+            layers.append(row)
+        R["layers"] = layers
+        R["first_divergent_layer"] = first_bad
+        run.check("hidden_states_within_tolerance", first_bad is None, "every layer within tolerance" if first_bad is None else f"first layer over tolerance: {first_bad['layer']}: {'; '.join(first_bad['violations'])}")
+        if o.target != "sim" and o.lockstep:
+            ls = R["target_stats"].get("lockstep", {})
+            run.check("bit_identical_to_sim", ls.get("first_mismatch") is None, f"{ls.get('syncs_compared', 0)} SYNCs / {ls.get('readbacks_compared', 0)} readbacks compared bit for bit with the simulator")
+    R["thresholds"] = {k: v for k, v in PROFILES[PROFILE].items()}
+    R["outcome"] = "PASS" if all(c["passed"] for c in R["checks"]) else "MISMATCH"
