@@ -53,7 +53,8 @@ PROFILES: dict[str, dict[str, Any]] = {
             },
             "sqnr_db": {
                 "min": 25.0, "asserted": True,
-                "reason": "one bf16 rounding ~55 dB; ~200 roundings over 30 layers cost ~23 dB -> expect >= 25-30 dB on logits",
+                "reason": "one bf16 rounding ~55 dB; ~200 roundings over 30 layers cost ~23 dB -> expect >= 25-30 dB on logits; "
+                "measured 2026-11-29 on the simulator: SmolLM2-135M worst step 33.0 dB (median ~42), llama-tiny worst 38.4 dB",
             },
             "kl": {
                 "max": 0.02, "asserted": True,
@@ -76,9 +77,11 @@ PROFILES: dict[str, dict[str, Any]] = {
                 "reason": "cosine 0.995 ~ 20 dB uncorrelated noise: the alarm line below the 25-40 dB expected after 30 bf16 layers",
             },
             "sqnr_db": {
-                "min": 20.0, "asserted": True,
-                "reason": "one bf16 rounding ~55 dB; ~30 layers of accumulated rounding expect 25-40 dB; 20 dB leaves 5 dB margin "
-                "(Llama residual streams hold a few massive-activation channels that dominate both SQNR and cosine)",
+                "min": 30.0, "asserted": True,
+                "reason": "one bf16 rounding ~55 dB; ~30 layers of accumulated rounding expect 25-40 dB; measured 2026-11-29 on the "
+                "simulator: SmolLM2-135M worst layer 43.6 dB (model.layers.10), llama-tiny 41.1 dB; 30 dB leaves >10 dB margin and "
+                "still catches a single wrong GEMV (a swapped or unrounded operand costs far more). Llama residual streams hold a "
+                "few massive-activation channels that dominate both SQNR and cosine",
             },
             "rel_l2": {
                 "max": 0.1, "asserted": False,
