@@ -175,7 +175,7 @@ def targets() -> None:
 
 
 @app.command()
-def bench(models_: str = typer.Option("llama", "--models"), tokens: int = typer.Option(4), output: Path = typer.Option(Path("runs/bench.json"))) -> None:
+def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: int = typer.Option(8), output: Path = typer.Option(Path("runs/bench.json"))) -> None:
     """Benchmark table: export/compile/simulate/golden wall time and memory, ratio to eager."""
     try:
         from nhil.bench import run_bench

@@ -164,3 +164,28 @@ def test_builder_gemv_through_runner_equals_contract_multi_chunk_multi_group():
     y = r.step(0, 0)["y"]
     x = prog.host_images["x0"] * 2
     np.testing.assert_array_equal(y, reference_gemv(f32_to_bf16_bits(w), f32_to_bf16_bits(x)))
+
+
+def test_readback_fed_back_to_the_device_gets_a_sync_and_fresh_data():
+    """GEMV -> GEMV with no host op between: the second WR_GB must send the first GEMV's readback."""
+    b = ProgramBuilder(DEV)
+    rng = np.random.default_rng(6)
+    w1 = rng.normal(size=(20, 32)).astype(np.float32)
+    w2 = rng.normal(size=(8, 20)).astype(np.float32)
+    b.buffer("x", 32)
+    b.buffer("h", 20)
+    b.buffer("y", 8)
+    b.host_image("x0", rng.normal(size=32).astype(np.float32))
+    b.host("add", ["x0", "x0"], ["x"])
+    b.gemv(b.place_matrix("w1", w1), "x", "h")
+    b.gemv(b.place_matrix("w2", w2), "h", "y")
+    prog = b.finish({"inputs": {}, "outputs": {"h": "h", "y": "y"}}, {})
+    syncs = [i for i, ins in enumerate(prog.instrs) if ins.op is Op.SYNC]
+    first_wr_h = next(i for i, ins in enumerate(prog.instrs) if ins.op is Op.WR_GB and prog.operands[ins.operand].buffer == "h")
+    assert any(s < first_wr_h for s in syncs[1:]) or syncs[0] < first_wr_h
+    r = Runner(prog, SimTarget())
+    r.reset()
+    out = r.step(0, 0)
+    h = reference_gemv(f32_to_bf16_bits(w1), f32_to_bf16_bits(prog.host_images["x0"] * 2))
+    np.testing.assert_array_equal(out["h"], h)
+    np.testing.assert_array_equal(out["y"], reference_gemv(f32_to_bf16_bits(w2), f32_to_bf16_bits(h)))
