@@ -102,6 +102,8 @@ def verify(
     regen: bool = typer.Option(False, help="regenerate the golden"),
     option: list[str] = typer.Option([], "--option", "-O", help="target option key=value (repeatable)"),
     no_lockstep: bool = typer.Option(False, help="do not cross-check a non-sim target against the simulator"),
+    repeat: int = typer.Option(1, help="repeat the teacher-forced run N times and check bit-identical logits"),
+    runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
 ) -> None:
     """Compile, run on TARGET, compare with the golden; exit 0 only if every check passes."""
     from nhil.report.writer import print_summary
@@ -111,7 +113,7 @@ def verify(
     for kv in option:
         k, _, v = kv.partition("=")
         opts[k] = v
-    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep)
+    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir)
     rep = run_verify(o)
     print_summary(rep)
     typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
@@ -159,6 +161,61 @@ def golden(
             typer.echo(f"new vs old logits: max_abs={m['max_abs']} sqnr_db={m['sqnr_db']} tokens_equal={old['tokens'].tolist() == t['tokens'].tolist()}")
     except NhilError as e:
         _fail(e)
+
+
+@app.command("sweep")
+def sweep_cmd(
+    models_: Optional[str] = typer.Option(None, "--models", help="comma-separated; default: every manifest row"),
+    targets_: Optional[str] = typer.Option(None, "--targets"),
+    quants: Optional[str] = typer.Option(None, "--quants"),
+    nightly: bool = typer.Option(False, help="include rows marked nightly"),
+    seed: int = typer.Option(0, help="run seed (combined with each row's id)"),
+    timeout: float = typer.Option(3600, help="seconds per row before it is TIMEOUT"),
+    update_manifest: bool = typer.Option(False, "--update-manifest", help="record this sweep's outcomes as the new expectations"),
+) -> None:
+    """Run models x targets x quants (rows of expectations.yaml, filtered); matrix + JUnit in runs/sweeps/<time>/."""
+    try:
+        from nhil import expectations
+        from nhil.sweep import sweep
+
+        rows = expectations.load()
+        if not nightly:
+            rows = [r for r in rows if not r.get("nightly")]
+        for opt, key in ((models_, "model"), (targets_, "target"), (quants, "quant")):
+            if opt:
+                allowed = {x.strip() for x in opt.split(",")}
+                rows = [r for r in rows if r[key] in allowed]
+        if models_ and targets_:
+            have = {(r["model"], r["target"], r["quant"]) for r in rows}
+            for m in models_.split(","):
+                for t in targets_.split(","):
+                    for q in (quants or "bf16").split(","):
+                        if (m.strip(), t.strip(), q.strip()) not in have:
+                            rows.append({"model": m.strip(), "target": t.strip(), "quant": q.strip(), "expect": "PASS"})
+        out, results = sweep(rows, seed, timeout_s=timeout)
+        typer.echo((out / "matrix.md").read_text())
+        if update_manifest:
+            expectations.update(results)
+            typer.echo("expectations.yaml updated")
+        if any(not r.get("as_expected") for r in results) and not update_manifest:
+            raise typer.Exit(1)
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def checklist(output: Optional[Path] = typer.Option(None, "-o")) -> None:
+    """Render the silicon bring-up checklist from expectations.yaml and the latest sweep."""
+    from nhil import expectations
+    from nhil.sweep import checklist_markdown, latest_results
+
+    text = checklist_markdown(expectations.load(), latest_results())
+    if output:
+        from nhil.util import atomic_write_text
+
+        atomic_write_text(output, text)
+    else:
+        sys.stdout.write(text)
 
 
 @app.command()

@@ -43,7 +43,10 @@ class VerifyOptions:
         goldens_dir / runs_dir: where goldens and run folders live.
         target_options: extra keyword options for the target factory.
         lockstep: for non-sim targets, also run the simulator and compare at every SYNC.
-        save_program: write ``program.pimb`` into the run folder.
+        save_program: write ``program.pimb`` into the run folder (programs up to 64 MiB).
+        repeat: run the teacher-forced pass this many times and check the logits are
+            bit-identical across repeats (determinism, separate from accuracy) [REPEAT].
+        stage_timeout_scale: multiplies every stage's timeout (``STAGE_TIMEOUTS``).
     """
 
     model: str = "llama"
@@ -58,6 +61,8 @@ class VerifyOptions:
     target_options: dict = dataclasses.field(default_factory=dict)
     lockstep: bool = True
     save_program: bool = True
+    repeat: int = 1
+    stage_timeout_scale: float = float(os.environ.get("NHIL_STAGE_TIMEOUT_SCALE", "1"))
 
     def reproducer(self) -> str:
         parts = [f"make verify MODEL={self.model} TARGET={self.target} TOKENS={self.tokens} SEED={self.seed}"]
@@ -68,8 +73,56 @@ class VerifyOptions:
         return " ".join(parts)
 
 
+# seconds per stage on a 2-core machine (SmolLM2 needs ~25 s to load, ~15 s to export,
+# ~16 s per 20-token run on the simulator); generous so only a hang trips them
+STAGE_TIMEOUTS = {
+    "load_model": 600,
+    "golden": 900,
+    "export": 900,
+    "raise": 600,
+    "lower": 600,
+    "encode": 600,
+    "load_target": 1800,
+    "run_teacher_forced": 7200,
+    "run_free": 7200,
+    "repeat": 7200,
+    "compare": 300,
+}
+
+
+class StageTimeout(NhilError):
+    """A stage ran longer than its timeout (``STAGE_TIMEOUTS``)."""
+
+    outcome = "TIMEOUT"
+
+
 def _log(msg: str) -> None:
     print(f"[nhil] {msg}", file=sys.stderr, flush=True)
+
+
+def _arm_timeout(stage: str, seconds: float):
+    """Raise StageTimeout in the main thread after ``seconds`` (SIGALRM; no-op off the main thread)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        return None
+
+    def on_alarm(signum, frame):
+        raise StageTimeout(f"stage {stage} exceeded its timeout of {seconds:.0f} s (NHIL_STAGE_TIMEOUT_SCALE scales it)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+    return old
+
+
+def _disarm(old) -> None:
+    import signal
+
+    if old is None:
+        return
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
 
 
 class _Run:
@@ -111,9 +164,11 @@ class _Run:
                 run.write()
                 _log(f"{name} ...")
                 s.t0 = time.perf_counter()
+                s.alarm = _arm_timeout(name, STAGE_TIMEOUTS.get(name, 3600) * run.o.stage_timeout_scale)
                 return s
 
             def __exit__(s, *exc):
+                _disarm(s.alarm)
                 dt = time.perf_counter() - s.t0
                 run.report["timings"][name] = round(dt, 3)
                 if exc[0] is None:
@@ -145,8 +200,25 @@ def verify(opts: VerifyOptions) -> dict:
         run.report["outcome"] = "CRASH"
         run.report["error"] = f"{type(e).__name__}: {e} (traceback in {run.dir / 'traceback.txt'})"
         (run.dir / "traceback.txt").write_text(traceback.format_exc())
-    run.write()
+    _finish(run)
     return run.report
+
+
+def _finish(run: "_Run") -> None:
+    """Expectation, plots and JUnit, then the final report write (each best-effort, never masking the outcome)."""
+    from nhil.expectations import apply_expectation
+    from nhil.report.junit import write_junit
+
+    apply_expectation(run.report)
+    try:
+        from nhil.report.plots import plot_report
+
+        run.report["plots"] = plot_report(run.report, run.dir)
+    except Exception as e:  # noqa: BLE001 - a plotting problem must not change the outcome
+        run.report["plots"] = []
+        _log(f"plots skipped: {type(e).__name__}: {e}")
+    run.write()
+    write_junit(run.dir / "junit.xml", [run.report])
 
 
 def _verify(run: _Run) -> None:
@@ -247,6 +319,13 @@ def _verify(run: _Run) -> None:
         with run.stage("run_teacher_forced"):
             tf = run_teacher_forced(runner, prompt_ids, golden_tokens, progress=progress)
         all_agree = tf.tokens == golden_tokens
+        if o.repeat > 1:
+            with run.stage("repeat"):
+                same = 0
+                for _ in range(o.repeat - 1):
+                    again = run_teacher_forced(runner, prompt_ids, golden_tokens)
+                    same += int(np.array_equal(again.logits.view(np.uint32), tf.logits.view(np.uint32)))
+                run.check("deterministic", same == o.repeat - 1, f"{same + 1}/{o.repeat} teacher-forced runs gave bit-identical logits")
         with run.stage("run_free"):
             free = run_greedy(runner, prompt_ids, o.tokens, progress=progress)
         R["target_stats"] = dut.stats()

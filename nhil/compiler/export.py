@@ -33,7 +33,20 @@ def export_prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.exp
         with torch.no_grad():
             return torch.export.export(model, (input_ids,), kwargs={"use_cache": False})
     except Exception as e:  # torch.export raises many types
+        _reraise_nhil(e)
         raise CompileError(f"torch.export of the prefill graph failed: {type(e).__name__}: {e}") from e
+
+
+def _reraise_nhil(e: BaseException) -> None:
+    """Re-raise an nhil error (e.g. a stage timeout) that torch wrapped into its own exception types."""
+    from nhil.errors import NhilError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, NhilError):
+            raise e
+        e = e.__cause__ or e.__context__
 
 
 def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.export.ExportedProgram, tuple[torch.Tensor, torch.Tensor]]:
@@ -74,6 +87,7 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
     except CompileError:
         raise
     except Exception as e:
+        _reraise_nhil(e)
         raise CompileError(f"torch.export of the decode step (static cache, L={L}) failed: {type(e).__name__}: {e}") from e
     finally:
         model.generation_config = saved_gc

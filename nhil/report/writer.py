@@ -158,9 +158,24 @@ def render_markdown(report: dict[str, Any]) -> str:
     out.append("")
     out.append(f"- model: `{report.get('model', '?')}`")
     out.append(f"- target: `{report.get('target', '?')}`")
+    for key, label in (("quant", "weights"), ("device", "device"), ("prompt", "prompt"), ("golden_text", "golden continuation"), ("target_text", "target continuation")):
+        v = report.get(key)
+        if isinstance(v, dict):
+            v = v.get("name")
+        if v is not None:
+            out.append(f"- {label}: `{v!r}`" if key.endswith("text") or key == "prompt" else f"- {label}: `{v}`")
+    if report.get("expected"):
+        out.append(f"- expected outcome: `{report['expected']}`")
     if report.get("reproducer"):
         out += ["- reproducer:", "", "```", str(report["reproducer"]), "```"]
     out.append("")
+    if report.get("error"):
+        out += ["## Error", "", "```", str(report["error"]), "```", ""]
+    mm = report.get("cross_target_first_mismatch")
+    if mm:
+        out += ["## First difference from the simulator", ""]
+        out += _table(["field", "value"], [[_cell(k), _cell(v)] for k, v in mm.items()])
+        out.append("")
 
     checks = report.get("checks") or []
     if checks:
@@ -199,6 +214,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             ],
         )
         out += ["", "SQNR per layer (dB, `#` = 1.5 dB, full bar >= 60 dB):", "", "```", sqnr_bars(layers), "```", ""]
+        for png in report.get("plots") or []:
+            out += [f"![{png}]({png})", ""]
     if "first_divergent_layer" in report:
         fdl = report["first_divergent_layer"]
         out += [f"First divergent layer: **{fdl}**" if fdl is not None else "First divergent layer: none", ""]
@@ -212,6 +229,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         if rows:
             out += _table(["metric", "bound", "kind", "reason"], rows)
         out.append("")
+
+    stats = report.get("target_stats") or {}
+    if stats:
+        out += ["## Target counters", "", "```", json.dumps(stats, indent=1, default=str)[:4000], "```", ""]
 
     timings = report.get("timings") or {}
     if timings:
