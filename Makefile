@@ -21,7 +21,7 @@ JOBS ?= 2
 VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \
 	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen)
 
-.PHONY: venv verify test test-fast bench nightly lint-rtl clean
+.PHONY: venv verify test test-fast bench nightly sweep checklist clean
 
 venv: $(STAMP)
 
@@ -50,8 +50,16 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(NHIL) bench
 
+# nightly: every expectations.yaml row (models x targets x quants) as a pytest-xdist case,
+# then the bring-up checklist from the latest sweep
 nightly: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) -q -m "nightly or not nightly" -o addopts=""
+	$(PY) -m pytest -n $(JOBS) -q -m nightly -o addopts="" --junitxml=runs/nightly-junit.xml tests/test_matrix.py
+
+sweep: $(STAMP)
+	$(NHIL) sweep $(if $(NIGHTLY),--nightly)
+
+checklist: $(STAMP)
+	$(NHIL) checklist
 
 clean:
 	rm -rf runs build .pytest_cache

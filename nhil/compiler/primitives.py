@@ -27,9 +27,13 @@ _SCHEMAS = {
     "rope": "rope(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor",
     "attention_kv": (
         "attention_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor cache_position, int num_heads, int num_kv_heads, float scale) -> Tensor"
+        "Tensor cache_position, int num_heads, int num_kv_heads, float scale, int? window=None, "
+        "float? softcap=None) -> Tensor"
     ),
-    "attention": "attention(Tensor q, Tensor k, Tensor v, int num_heads, int num_kv_heads, float scale) -> Tensor",
+    "attention": (
+        "attention(Tensor q, Tensor k, Tensor v, int num_heads, int num_kv_heads, float scale, "
+        "int? window=None, float? softcap=None) -> Tensor"
+    ),
     "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
     "add": "add(Tensor a, Tensor b) -> Tensor",
 }
@@ -153,16 +157,54 @@ def _check_heads(q, k, num_heads, num_kv_heads):
     return hd, num_heads // num_kv_heads
 
 
+def visible_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """bool [S, kv_len]: key j visible to the query at position ``q_pos[i]`` iff
+    ``j <= q_pos[i]`` (causal, masking_utils.causal_mask_function) and, with a sliding
+    window W, ``j > q_pos[i] - W`` (masking_utils.sliding_window_overlay)."""
+    kv_idx = torch.arange(kv_len, device=q_pos.device)
+    vis = kv_idx[None, :] <= q_pos[:, None]
+    if window is not None:
+        vis = vis & (kv_idx[None, :] > q_pos[:, None] - window)
+    return vis
+
+
+def _attend(qh, kh, vh, vis, scale, s, softcap):
+    """Attention core over [B,H,*,hd] heads with bool visibility ``vis`` [S, L].
+
+    * ``softcap is None``: SDPA with the boolean mask (integrations/sdpa_attention.py).
+    * ``softcap`` set: the eager form of gemma2's ``eager_attention_forward``:
+      ``matmul(q, kᵀ)*scale / c -> tanh -> *c -> + additive mask (0 / finfo.min,
+      masking_utils.eager_mask) -> softmax(fp32) -> matmul(·, v)``.
+    Output re-laid out to [B,S,Hq*hd].
+    """
+    b, _, _, hd = qh.shape
+    mask = vis[None, None].expand(b, -1, s, vis.shape[-1])
+    if softcap is None:
+        return _sdpa_flat(qh, kh, vh, mask, scale, s)
+    fmask = torch.where(mask, torch.zeros((), dtype=qh.dtype), torch.finfo(qh.dtype).min)
+    w = torch.matmul(qh, kh.transpose(2, 3)) * scale
+    w = w / softcap
+    w = torch.tanh(w)
+    w = w * softcap
+    w = w + fmask
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(qh.dtype)
+    o = torch.matmul(w, vh)
+    return o.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
+
+
 @_impl("attention_kv")
-def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, num_kv_heads: int, scale: float):
+def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, num_kv_heads: int, scale: float, window=None, softcap=None):
     """Static-KV-cache causal GQA attention.
 
     q [B,S,Hq*hd], k/v [B,S,Hkv*hd] (k already RoPE'd), k_cache/v_cache [B,Hkv,L,hd]
     (mutated in place: ``index_copy_(2, cache_position, ·)``), cache_position [S] int64
-    -> [B,S,Hq*hd]. Key j is visible to query i iff ``j <= cache_position[i]``.
-    Source: transformers StaticCache.update (index_copy_), masking_utils causal mask
-    (``kv_idx <= q_idx``, bool [B,1,S,L]), modeling_llama.repeat_kv and
-    sdpa_attention_forward (``F.scaled_dot_product_attention(q, k, v, mask, scale=scale)``).
+    -> [B,S,Hq*hd]. Key j is visible to query i iff ``j <= cache_position[i]`` and, with
+    a sliding ``window`` W, ``j > cache_position[i] - W``. ``softcap`` c: attention logits
+    soft-capped ``c*tanh(s/c)`` (eager form, see :func:`_attend`).
+    Source: transformers StaticCache.update (index_copy_), masking_utils causal /
+    sliding-window masks (bool [B,1,S,L]), modeling_llama.repeat_kv and
+    sdpa_attention_forward (``F.scaled_dot_product_attention(q, k, v, mask, scale=scale)``),
+    modeling_gemma2.eager_attention_forward (soft-cap).
 
     Raises:
         ValueError: inconsistent head counts / widths.
@@ -171,27 +213,25 @@ def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, 
     b, s, _ = q.shape
     k_cache.index_copy_(2, cache_position, _heads(k, hd))
     v_cache.index_copy_(2, cache_position, _heads(v, hd))
-    L = k_cache.shape[2]
-    kv_idx = torch.arange(L, device=q.device)
-    mask = (kv_idx[None, None, None, :] <= cache_position[None, None, :, None]).expand(b, -1, s, L)
-    return _sdpa_flat(_heads(q, hd), _repeat_kv(k_cache, n_rep), _repeat_kv(v_cache, n_rep), mask, scale, s)
+    vis = visible_mask(cache_position, k_cache.shape[2], window)
+    return _attend(_heads(q, hd), _repeat_kv(k_cache, n_rep), _repeat_kv(v_cache, n_rep), vis, scale, s, softcap)
 
 
 @_impl("attention")
-def attention_ref(q, k, v, num_heads: int, num_kv_heads: int, scale: float):
+def attention_ref(q, k, v, num_heads: int, num_kv_heads: int, scale: float, window=None, softcap=None):
     """Causal GQA attention without cache (prefill from position 0).
 
-    q [B,S,Hq*hd], k/v [B,S,Hkv*hd] -> [B,S,Hq*hd]; key j visible to query i iff j <= i.
-    Same op sequence as :func:`attention_kv_ref` minus the cache write (sources ditto).
+    q [B,S,Hq*hd], k/v [B,S,Hkv*hd] -> [B,S,Hq*hd]; key j visible to query i iff j <= i
+    (and j > i - window with a sliding window). Same op sequence as
+    :func:`attention_kv_ref` minus the cache write (sources ditto).
 
     Raises:
         ValueError: inconsistent head counts / widths.
     """
     hd, n_rep = _check_heads(q, k, num_heads, num_kv_heads)
     b, s, _ = q.shape
-    idx = torch.arange(s, device=q.device)
-    mask = (idx[None, None, None, :] <= idx[None, None, :, None]).expand(b, -1, s, s)
-    return _sdpa_flat(_heads(q, hd), _repeat_kv(_heads(k, hd), n_rep), _repeat_kv(_heads(v, hd), n_rep), mask, scale, s)
+    vis = visible_mask(torch.arange(s, device=q.device), s, window)
+    return _attend(_heads(q, hd), _repeat_kv(_heads(k, hd), n_rep), _repeat_kv(_heads(v, hd), n_rep), vis, scale, s, softcap)
 
 
 @_impl("silu_mul")
@@ -237,12 +277,12 @@ def _rope_fake(x, cos, sin, head_dim):
 
 
 @_fake("attention_kv")
-def _attention_kv_fake(q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale):
+def _attention_kv_fake(q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale, window=None, softcap=None):
     return torch.empty_like(q)
 
 
 @_fake("attention")
-def _attention_fake(q, k, v, num_heads, num_kv_heads, scale):
+def _attention_fake(q, k, v, num_heads, num_kv_heads, scale, window=None, softcap=None):
     return torch.empty_like(q)
 
 

@@ -234,19 +234,37 @@ INDEX_OPS = {
     aten.new_ones.default, aten.index.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor,
     aten.gt.Tensor, aten.eq.Tensor, aten.__and__.Tensor, aten.__or__.Tensor, aten.view.default, aten.select.int,
 }
+# bool -> additive float mask (masking_utils.eager_mask: where(mask, 0, finfo.min))
+FLOAT_MASK_OPS = {aten.zeros.default, aten.where.ScalarOther, aten.where.self, aten.scalar_tensor.default}
+
+
+def _window_of(t: torch.Tensor, p: int) -> int | None:
+    """Sliding window W implied by the last query row of mask ``t`` at cache position p (None: plain causal)."""
+    q_last = p + t.shape[2] - 1
+    row = t[0, 0, -1]
+    vis = int(row.sum()) if row.dtype == torch.bool else int((row == 0).sum())
+    return vis if vis < min(q_last + 1, t.shape[3]) else None
 
 
 def h_index_arith(ctx: Ctx) -> None:
-    """Position ids and causal mask built by LlamaModel / masking_utils.
+    """Position ids and causal / sliding-window masks built by the Model / masking_utils.
 
-    The region must be pure integer/bool arithmetic over constants and cache_position[0];
-    it is evaluated exhaustively (every cache position when it depends on one) and each
-    output must equal the causal mask (-> Marker) or the position ids (decode: the
-    ``cache_position`` input, S == 1; prefill: a folded constant ``position_ids``).
+    The region must be pure integer/bool arithmetic over constants and cache_position[0]
+    (plus the bool -> additive-float conversion of eager attention); it is evaluated
+    exhaustively (every cache position when it depends on one) and each output must equal
+    a causal mask, optionally restricted to a sliding window W (``j > i - W``; W read off
+    the mask and then checked at every position), bool or additive (0 / finfo.min),
+    -> Marker('causal_mask', (kind, kv_len, window, additive)); or the position ids
+    (decode: the ``cache_position`` input, S == 1; prefill: a folded constant
+    ``position_ids``).
     """
     for n in ctx.nodes:
         v = _val(n)
-        if n.target not in INDEX_OPS or not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex:
+        if not isinstance(v, torch.Tensor) or v.dtype.is_complex:
+            raise Mismatch(n, "not integer/bool index arithmetic of a position or causal-mask pattern")
+        if n.target in FLOAT_MASK_OPS:
+            continue
+        if n.target not in INDEX_OPS or v.dtype.is_floating_point:
             raise Mismatch(n, "not integer/bool index arithmetic of a position or causal-mask pattern")
     externals = []
     for n in ctx.nodes:
@@ -266,14 +284,26 @@ def h_index_arith(ctx: Ctx) -> None:
 
     positions = range(ctx.r.cache_len) if externals else [0]
     kinds: dict[fx.Node, str] = {}
+    windows: dict[fx.Node, int | None] = {}
+    if externals:  # read each mask's window at the last cache position, check it everywhere
+        last = evaluate(ctx.r.cache_len - 1)
+        for o in outputs:
+            t = last[o]
+            if t.dim() == 4 and t.shape[1] == 1 and (t.dtype == torch.bool or t.dtype.is_floating_point):
+                windows[o] = _window_of(t, ctx.r.cache_len - 1)
     for p in positions:
         vals = evaluate(p)
         for o in outputs:
             t = vals[o]
-            if t.dtype == torch.bool and t.dim() == 4 and t.shape[1] == 1:
+            if t.dim() == 4 and t.shape[1] == 1 and (t.dtype == torch.bool or t.dtype == torch.float32):
                 s, k = t.shape[2], t.shape[3]
-                q_pos = p + torch.arange(s)
-                want = (torch.arange(k)[None, :] <= q_pos[:, None]).expand(t.shape)
+                if o not in windows:
+                    windows[o] = _window_of(t, p)
+                from nhil.compiler.primitives import visible_mask
+
+                want = visible_mask(p + torch.arange(s), k, windows[o])[None, None].expand(t.shape)
+                if t.dtype == torch.float32:
+                    want = torch.where(want, torch.zeros((), dtype=t.dtype), torch.finfo(t.dtype).min)
                 ok = torch.equal(t, want) and (externals or k == s)
                 kinds[o] = "mask"
             elif t.dtype == torch.int64 and t.dim() == 2 and t.shape[0] == 1:
@@ -282,12 +312,12 @@ def h_index_arith(ctx: Ctx) -> None:
             else:
                 ok = False
             if not ok:
-                raise Mismatch(o, f"{o.name} is not a causal mask / position ids (checked at cache position {p})")
+                raise Mismatch(o, f"{o.name} is not a causal / sliding-window mask or position ids (checked at cache position {p})")
     vals = evaluate(0)
     for o in outputs:
         t = vals[o]
         if kinds[o] == "mask":
-            ctx.set(o, Marker("causal_mask", ("cache" if externals else "prefill", t.shape[3])))
+            ctx.set(o, Marker("causal_mask", ("cache" if externals else "prefill", t.shape[3], windows[o], t.dtype.is_floating_point)))
         elif externals:
             ctx.set(o, markers[0].data)  # the cache_position input, [S] == [1]
         else:
@@ -342,6 +372,13 @@ ATTENTION_PREFILL = _HEAD + _repeat("k", "k_rot") + _repeat("v", "v_t") + _TAIL
 CACHE_LEN_INC = [("inc", aten.add_.Tensor, (V("cl"), 1), None)]
 
 
+def _extra(window, softcap) -> tuple:
+    """Trailing optional attention args: omitted when default, so Llama graphs keep their shape."""
+    if softcap is not None:
+        return (window, softcap)
+    return (window,) if window is not None else ()
+
+
 def h_attention(ctx: Ctx) -> None:
     """LlamaAttention core (after q/k/v_proj, before o_proj) -> nhil.rope x2 + attention[_kv].
 
@@ -371,15 +408,15 @@ def h_attention(ctx: Ctx) -> None:
     v = ctx.tensor(b["v_lin"])
     if "kc" in b:
         cp = ctx.marker(b["cp0"], "cache_pos0").data
-        if mask != ("cache", b["L"]) or s != 1:
+        if mask[:2] != ("cache", b["L"]) or mask[3] or s != 1:
             raise Mismatch(b["o"], f"decode attention needs a causal cache mask over L={b['L']} and one token, got {mask}, S={s}")
         kc, vc = ctx.param(b["kcache"]), ctx.param(b["vcache"])
         ctx.r.cache_names += [kc.target, vc.target]
-        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hkv, b["scale"])
+        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hkv, b["scale"], *_extra(mask[2], None))
     else:
-        if mask != ("prefill", s):
+        if mask[:2] != ("prefill", s) or mask[3]:
             raise Mismatch(b["o"], f"prefill attention needs a causal mask over S={s}, got {mask}")
-        out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"])
+        out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"], *_extra(mask[2], None))
     ctx.set(b["out"], out)
 
 
@@ -395,3 +432,26 @@ HANDLERS: dict[str, Callable[[Ctx], None]] = {
     "LlamaModel": h_index_arith,
     "LlamaAttention": h_attention,
 }
+
+# Module classes of other families whose code is the Llama code under another name are
+# dispatched by the role suffix of their class name (``MistralRMSNorm`` -> ``RMSNorm``).
+# This is safe because every handler still matches the region op by op and the raised
+# graph is checked bit-exact; a class whose code differs simply fails to match.
+ROLE_SUFFIXES: list[tuple[str, str]] = [
+    ("RMSNorm", "LlamaRMSNorm"),
+    ("RotaryEmbedding", "LlamaRotaryEmbedding"),
+    ("Attention", "LlamaAttention"),
+    ("MLP", "LlamaMLP"),
+    ("DecoderLayer", "LlamaDecoderLayer"),
+    ("Model", "LlamaModel"),
+]
+
+
+def handler_for(cls: str, path: str = "") -> Callable[[Ctx], None] | None:
+    """Handler of a module class: exact class name first, then by role suffix."""
+    if cls in HANDLERS:
+        return HANDLERS[cls]
+    for suffix, base in ROLE_SUFFIXES:
+        if cls.endswith(suffix):
+            return HANDLERS[base]
+    return None

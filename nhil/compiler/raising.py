@@ -207,7 +207,7 @@ class Raiser:
         return regs
 
     def run(self, strict: bool) -> RaisedGraph:
-        from nhil.compiler.raise_handlers import HANDLERS, Ctx
+        from nhil.compiler.raise_handlers import Ctx, handler_for
 
         for name in self.user_inputs:
             ph = self.g.placeholder(name)
@@ -217,7 +217,7 @@ class Raiser:
             ph.meta["example_shape"], ph.meta["example_dtype"] = tuple(v.shape), v.dtype
         for region in self.regions():
             ctx = Ctx(self, region)
-            handler = HANDLERS.get(region.cls)
+            handler = handler_for(region.cls, region.path)
             try:
                 if handler is None:
                     raise Mismatch(region.nodes[0], f"no nhil pattern for module class {region.cls or '(none)'}")

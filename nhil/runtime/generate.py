@@ -47,14 +47,11 @@ def _run(runner: Runner, prompt: list[int], n: int, next_token: Callable[[int, i
             logits.append(lg)
             am = int(np.argmax(lg))
             toks.append(am)
-            i = len(toks) - 1
             if len(seq) == pos + 1:
-                seq.append(next_token(i, am))
+                seq.append(next_token(len(toks) - 1, am))
         pos += 1
         if progress:
             progress(pos, total)
-    if len(prompt) + n - 1 == pos and len(toks) < n:  # n == 0 corner
-        pass
     return StepOutputs(np.stack(logits) if logits else np.zeros((0, 0), np.float32), toks, {k: np.stack(v) for k, v in acts.items()})
 
 
