@@ -1,0 +1,19 @@
+"""``fpga`` target: the FPGA prototype over a serial link, plus a board emulator (``docs/link-protocol.md``).
+
+* ``frame``: SLIP-style framing + CRC-32 codec; ``protocol``: message types and payloads;
+* ``driver``: :class:`FpgaTarget` (host side, any pyserial URL, starts an emulator when no port);
+* ``emulator``: the device side (``Board``) executing with the functional simulator (or RTL);
+* ``faults``: fault injection; ``cli``: ``nhil fpga-emu``; ``bench``: :func:`link_benchmark`.
+"""
+
+from nhil.targets.fpga.driver import FpgaTarget
+
+
+def link_benchmark(nbytes: int = 64 << 20, **kw) -> dict:
+    """See :func:`nhil.targets.fpga.bench.link_benchmark`."""
+    from nhil.targets.fpga.bench import link_benchmark as _lb
+
+    return _lb(nbytes, **kw)
+
+
+__all__ = ["FpgaTarget", "link_benchmark"]

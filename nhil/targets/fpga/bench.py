@@ -1,0 +1,114 @@
+"""Link benchmark for ``make bench``: protocol efficiency and throughput vs the raw pty."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+
+def raw_pty_throughput(nbytes: int, chunk: int = 65536) -> float:
+    """MB/s of pyserial writes into a raw pty drained by a reader thread (the ceiling for the link)."""
+    import serial
+
+    from nhil.targets.fpga.emulator import open_pty
+
+    master, slave, path = open_pty()
+    got = [0]
+    done = threading.Event()
+
+    def drain():
+        while got[0] < nbytes:
+            b = os.read(master, 1 << 20)
+            if not b:
+                break
+            got[0] += len(b)
+        done.set()
+
+    th = threading.Thread(target=drain, daemon=True)
+    th.start()
+    ser = serial.Serial(path, baudrate=3_000_000, timeout=1)
+    buf = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < nbytes:
+        k = min(chunk, nbytes - sent)
+        ser.write(buf[:k])
+        sent += k
+    done.wait(60)
+    dt = time.perf_counter() - t0
+    ser.close()
+    os.close(slave)
+    os.close(master)
+    return nbytes / dt / 1e6
+
+
+def synthetic_program(nbytes: int, device: str = "aim-like", seed: int = 0):
+    """A program with ``ceil(nbytes / row image bytes)`` rows of random non-zero bf16 bits and no instructions but EOC."""
+    from nhil.isa.device import DEVICE_PRESETS
+    from nhil.isa.instr import Instr, Op
+    from nhil.isa.program import BankImage, Program
+
+    d = DEVICE_PRESETS[device]
+    row_bytes = d.channels * d.banks * d.cols * 2
+    rows = max(1, -(-nbytes // row_bytes))
+    rng = np.random.default_rng(seed)
+    imgs = []
+    for r in range(rows):
+        a = rng.integers(1, 0x7F00, (d.channels, d.banks, d.cols), dtype=np.uint16)
+        imgs.append(BankImage(r, a))
+    return Program(d, [Instr(Op.EOC)], [], [], {}, imgs, {}, {"inputs": {}, "outputs": {}}, {"synthetic": True})
+
+
+def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str = "", verify_rows: int = 2) -> dict:
+    """Load ``nbytes`` of random bank rows into a board emulator over a pty and measure.
+
+    Returns a dict: ``link_MBps`` (image bytes / load time), ``raw_pty_MBps`` (pyserial
+    into a pty, same call), ``link_vs_raw``, ``wire_efficiency`` (request payload bytes /
+    wire bytes sent), ``payload_efficiency`` (image bytes / all wire bytes both ways),
+    frame and retry counters; ``verified_rows`` rows are read back and compared.
+    """
+    from nhil.targets.fpga.driver import FpgaTarget
+
+    prog = synthetic_program(nbytes, device)
+    image = sum(img.data.nbytes for img in prog.bank_images)
+    raw = raw_pty_throughput(min(image, 256 << 20))
+    t = FpgaTarget(device=device, faults=faults, progress=False)
+    with t:
+        before = dict(t.link)
+        t0 = time.perf_counter()
+        t.load(prog)
+        dt = time.perf_counter() - t0
+        link = {k: t.link[k] - before[k] for k in t.link}
+        d = prog.device
+        ok = True
+        for img in prog.bank_images[:verify_rows]:
+            for ch, bank in ((0, 0), (d.channels - 1, d.banks - 1)):
+                ok &= bool(np.array_equal(t.read_row(ch, bank, img.row), img.data[ch, bank]))
+    mbps = image / dt / 1e6
+    return {
+        "nbytes": image,
+        "rows": len(prog.bank_images),
+        "device": device,
+        "faults": faults or "none",
+        "seconds": round(dt, 3),
+        "link_MBps": round(mbps, 1),
+        "raw_pty_MBps": round(raw, 1),
+        "link_vs_raw": round(mbps / raw, 3),
+        "wire_efficiency": round(link["payload_tx"] / link["bytes_tx"], 4),
+        "payload_efficiency": round(image / (link["bytes_tx"] + link["bytes_rx"]), 4),
+        "frames_tx": link["frames_tx"],
+        "retries": link["retries"],
+        "crc_errors": link["crc_errors"],
+        "verified": ok,
+    }
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    n = int(float(sys.argv[1])) if len(sys.argv) > 1 else 64 << 20
+    print(json.dumps(link_benchmark(n, faults=sys.argv[2] if len(sys.argv) > 2 else ""), indent=1))

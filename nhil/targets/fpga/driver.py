@@ -1,0 +1,502 @@
+"""Host side of the FPGA link: ``FpgaTarget``, the ``fpga`` execution target.
+
+Stop-and-wait request/reply over any pyserial URL (``/dev/ttyUSB0``, ``rfc2217://host:port``,
+``socket://host:port``, ``loop://``), protocol in ``docs/link-protocol.md``. Every request
+is retransmitted (same seq, bounded retries, exponential backoff of the reply timeout)
+until its reply arrives; the board answers a repeated seq from its reply cache, so nothing
+executes twice. A changed board session nonce, or an ``E_SESSION`` error, means the board
+was reset mid-session: that ends the run with ``LinkError`` (state is gone), never a retry.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+import weakref
+import zlib
+
+import numpy as np
+
+from nhil.errors import LinkError, LoadError, RunError, SetupError
+from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
+from nhil.isa.instr import OPINFO, Op
+from nhil.isa.program import Program
+from nhil.targets.base import Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
+from nhil.targets.fpga import protocol as P
+from nhil.targets.fpga.frame import BAD_CRC, DEFAULT_MAX_PAYLOAD, OVERHEAD, Bad, Deframer, Frame, encode_frame
+
+DEFAULT_BAUD = 3_000_000
+COUNTERS = (
+    "frames_tx", "frames_rx", "bytes_tx", "bytes_rx", "payload_tx", "payload_rx", "crc_errors", "framing_errors",
+    "naks", "retries", "resyncs", "timeouts", "stale_replies", "duplicate_replies", "board_errors",
+)
+
+
+def _stop_proc(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def start_emulator(device: str, faults: str = "", rtl: bool = False, timeout: float = 20.0) -> tuple[subprocess.Popen, str]:
+    """Start ``nhil fpga-emu`` as a subprocess; returns (process, pty path).
+
+    Raises:
+        LinkError: the emulator did not announce its pty in ``timeout`` seconds.
+    """
+    cmd = [sys.executable, "-m", "nhil.targets.fpga.cli", "--device", device, "--faults", faults or ""]
+    if rtl:
+        cmd.append("--rtl")
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + timeout
+    line = b""
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if r:
+            line = proc.stdout.readline()
+            break
+        if proc.poll() is not None:
+            break
+    path = line.decode(errors="replace").strip()
+    if not path:
+        code = proc.poll()
+        _stop_proc(proc)
+        raise LinkError(f"board emulator ({' '.join(cmd[2:])}) " + (f"exited with code {code}" if code is not None else f"did not announce its pty within {timeout:.0f} s") + " (its stderr is above)")
+    return proc, path
+
+
+class FpgaTarget(Target):
+    """The FPGA prototype behind a serial link (or the board emulator on a pty).
+
+    Args:
+        port: pyserial URL of the board; ``None``: ``$FPGA_PORT``, else start a board
+            emulator on a pseudo-terminal (stopped by ``close``).
+        baud: line rate (``$FPGA_BAUD``, default 3 000 000); also scales the per-frame timeout.
+        device: device preset the started emulator serves (ignored for a real board, whose
+            INFO reply tells its device).
+        faults: fault spec for the started emulator (``$FPGA_FAULTS``), see ``faults.py``.
+        rtl: the started emulator executes on the RTL target.
+        open_timeout: seconds to establish the session (HELLO + INFO).
+        frame_timeout: base seconds to wait for a reply, plus the frame's wire time at ``baud``;
+            doubles after each timeout (capped at 16x).
+        run_timeout: seconds an accepted EXEC may run before its READBACK must arrive.
+        max_retries: transmissions of one request before ``LinkError``.
+        chunk_bytes: WRITE_MEM data bytes per frame (capped by the board's max payload).
+        progress: show a progress bar for loads (``None``: when the image exceeds 8 MiB and stderr is a tty).
+    """
+
+    name = "fpga"
+
+    def __init__(self, port: str | None = None, baud: int | None = None, device: str | DeviceConfig | None = "aim-like", faults: str | None = None, *,
+                 rtl: bool = False, open_timeout: float = 10.0, frame_timeout: float = 0.5, run_timeout: float = 60.0, max_retries: int = 16,
+                 chunk_bytes: int = 65536, progress: bool | None = None, **_ignored) -> None:
+        self.port = port or os.environ.get("FPGA_PORT") or None
+        try:
+            self.baud = int(baud if baud is not None else os.environ.get("FPGA_BAUD", DEFAULT_BAUD))
+        except ValueError:
+            raise SetupError(f"FPGA_BAUD must be an integer, got {os.environ.get('FPGA_BAUD')!r}") from None
+        dev = device.name if isinstance(device, DeviceConfig) else (device or "aim-like")
+        if self.port is None and dev not in DEVICE_PRESETS:
+            raise SetupError(f"unknown device {dev!r} for the board emulator; presets: {', '.join(DEVICE_PRESETS)}")
+        self.device_name = dev
+        self.faults = faults if faults is not None else os.environ.get("FPGA_FAULTS", "")
+        if self.faults:
+            from nhil.targets.fpga.faults import FaultSpec
+
+            FaultSpec.parse(self.faults)  # fail early on a bad spec
+            if self.port is not None:
+                raise SetupError("fault injection is done by the board emulator: pass --faults to `nhil fpga-emu`, or leave FPGA_PORT unset so the target starts one")
+        self.rtl = rtl
+        self.open_timeout = open_timeout
+        self.frame_timeout = frame_timeout
+        self.run_timeout = run_timeout
+        self.max_retries = max(1, max_retries)
+        self.chunk_bytes = max(2, chunk_bytes & ~1)
+        self.progress = progress
+        self.ser = None
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.board_nonce: int | None = None
+        self.max_payload = DEFAULT_MAX_PAYLOAD
+        self.info: dict = {}
+        self._caps: Capabilities | None = None
+        self._seq = 0
+        self._rx = Deframer(DEFAULT_MAX_PAYLOAD)
+        self._q: collections.deque = collections.deque()
+        self._digest = ReadbackDigest()
+        self._counts: dict[str, int] = {}
+        self.link = dict.fromkeys(COUNTERS, 0)
+        self.load_seconds = 0.0
+        self.load_bytes = 0
+        self._words: dict = {}  # Instr -> encoded word (the same instructions recur every step)
+        self._dead: str | None = None  # set once a board reset was detected: the session is over
+
+    # ------------------------------------------------------------ session
+    def open(self) -> None:
+        if self.ser is not None:
+            return
+        try:
+            import serial
+        except ImportError:
+            raise SetupError("the fpga target needs pyserial: pip install pyserial") from None
+        if self.port is None:
+            self.proc, self.url = start_emulator(self.device_name, self.faults, self.rtl, timeout=900.0 if self.rtl else 20.0)  # RTL: first build
+            weakref.finalize(self, _stop_proc, self.proc)
+        else:
+            self.url = self.port
+        try:
+            self.ser = serial.serial_for_url(self.url, baudrate=self.baud, timeout=0.02, write_timeout=max(10.0, self.run_timeout))
+        except (serial.SerialException, OSError, ValueError) as e:
+            self.close()
+            raise LinkError(f"cannot open serial port {self.url}: {e}") from None
+        try:
+            self._hello()
+            self._read_info()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.ser is not None:
+            try:
+                self.ser.close()
+            except Exception:
+                pass
+            self.ser = None
+        if self.proc is not None:
+            _stop_proc(self.proc)
+            self.proc = None
+
+    def _hello(self) -> None:
+        host_nonce = int.from_bytes(os.urandom(4), "little")
+        frame = encode_frame(P.HELLO, 0, 0, 0, P.pack_hello(host_nonce))
+        deadline = time.monotonic() + self.open_timeout
+        wait = 0.1
+        echoed = False
+        while time.monotonic() < deadline:
+            self._write(b"\xc0\xc0" + frame, len(P.pack_hello(host_nonce)))
+            until = min(deadline, time.monotonic() + wait)
+            while True:
+                ev = self._recv(until)
+                if ev is None:
+                    break
+                if isinstance(ev, Bad):
+                    continue
+                if ev.type == P.HELLO:
+                    echoed = True
+                    continue
+                if ev.seq != 0:
+                    continue
+                if ev.type == P.ERROR:
+                    code, msg = P.unpack_error(ev.payload)
+                    raise LinkError(f"board at {self.url} refused HELLO: {P.ERROR_NAMES.get(code, code)}: {msg}")
+                if ev.type != P.HELLO_REPLY:
+                    continue
+                try:
+                    proto, isa, nonce, maxp = P.unpack_hello_reply(ev.payload)
+                except P.ProtocolError as e:
+                    raise LinkError(f"board at {self.url}: malformed HELLO reply: {e}") from None
+                if proto != P.PROTOCOL_VERSION or isa != P.ISA_VERSION:
+                    raise LinkError(f"board at {self.url} speaks link protocol v{proto} / ISA v{isa}; this nhil needs protocol v{P.PROTOCOL_VERSION} / ISA v{P.ISA_VERSION}")
+                if not 64 <= maxp <= (1 << 24):
+                    raise LinkError(f"board at {self.url} announced an implausible max payload of {maxp} bytes")
+                self.board_nonce = nonce
+                self.max_payload = maxp
+                self._rx.max_payload = maxp
+                self._rx.max_wire = 2 * (maxp + OVERHEAD)
+                return
+            self.link["timeouts"] += 1
+            wait = min(wait * 2, 2.0)
+        hint = " (the line echoes our own frames: a loopback, not a board)" if echoed else f": is the board powered, the port right and the baud rate {self.baud} what the board uses?"
+        raise LinkError(f"no HELLO reply from {self.url} within {self.open_timeout:.1f} s{hint}")
+
+    def _read_info(self) -> None:
+        f = self._transact(P.INFO, b"", P.INFO_REPLY)
+        try:
+            info = json.loads(f.payload.decode())
+            dev = DeviceConfig.from_dict(info["device"])
+            ops = frozenset(Op[o] for o in info["ops"])
+            caps = Capabilities(int(info["isa_version"]), ops, frozenset(str(x) for x in info["formats"]), dev)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise LinkError(f"board at {self.url}: malformed INFO reply ({type(e).__name__}: {e})") from None
+        self.info = info
+        self._caps = caps
+
+    # ------------------------------------------------------------ bytes
+    def _write(self, data: bytes, payload_bytes: int) -> None:
+        try:
+            self.ser.write(data)
+        except Exception as e:  # SerialException, SerialTimeoutException, OSError
+            raise LinkError(f"write to {self.url} failed: {e}") from None
+        self.link["frames_tx"] += 1
+        self.link["bytes_tx"] += len(data)
+        self.link["payload_tx"] += payload_bytes
+
+    def _recv(self, deadline: float) -> Frame | Bad | None:
+        """Next received frame or bad run, or ``None`` at ``deadline``."""
+        while not self._q:
+            if time.monotonic() >= deadline:
+                return None
+            try:
+                n = self.ser.in_waiting
+                data = self.ser.read(n if n else 1)
+                if data and not n:
+                    more = self.ser.in_waiting
+                    if more:
+                        data += self.ser.read(more)
+            except Exception as e:
+                raise LinkError(f"read from {self.url} failed: {e}") from None
+            if not data:
+                continue
+            self.link["bytes_rx"] += len(data)
+            for ev in self._rx.feed(data):
+                if isinstance(ev, Bad):
+                    self.link["resyncs"] += 1
+                    self.link["crc_errors" if ev.reason == BAD_CRC else "framing_errors"] += 1
+                else:
+                    self.link["frames_rx"] += 1
+                    self.link["payload_rx"] += len(ev.payload)
+                self._q.append(ev)
+        return self._q.popleft()
+
+    def _timeout_for(self, nbytes: int) -> float:
+        return self.frame_timeout + 2 * 10 * nbytes / self.baud
+
+    # ------------------------------------------------------------ request / reply
+    def _transact(self, type_: int, payload: bytes, expect: int) -> Frame:
+        """Send one request until its reply arrives (see the module docstring).
+
+        Raises:
+            LinkError: retries exhausted, board reset detected, protocol violation.
+            RunError: the board refused the request (run error, address out of range).
+        """
+        if self.ser is None:
+            raise LinkError("the fpga target is not open")
+        if self._dead:
+            raise LinkError(self._dead)
+        self._seq = (self._seq % 0xFFFF) + 1
+        seq = self._seq
+        name = P.NAMES[type_]
+        frame = encode_frame(type_, 0, seq, self.board_nonce, payload)
+        retx = encode_frame(type_, P.F_RETX, seq, self.board_nonce, payload)
+        timeout = self._timeout_for(len(frame) + 64)
+        why = ""
+        for attempt in range(self.max_retries):
+            if attempt:
+                self.link["retries"] += 1
+                time.sleep(min(0.0005 * 2 ** (attempt - 1), 0.05))
+            self._write(frame if attempt == 0 else retx, len(payload))
+            deadline = time.monotonic() + timeout
+            while True:
+                ev = self._recv(deadline)
+                if ev is None:
+                    self.link["timeouts"] += 1
+                    why = "timeout"
+                    timeout = min(timeout * 2, 16 * self._timeout_for(len(frame) + 64))
+                    break
+                if isinstance(ev, Bad):
+                    why = "corrupted reply"
+                    break
+                if ev.nonce != self.board_nonce:
+                    self._dead = f"board reset detected during {name}: its session nonce changed from 0x{self.board_nonce:08x} to 0x{ev.nonce:08x}; device state is lost, the run cannot continue"
+                    raise LinkError(self._dead)
+                if ev.type in P.REQUESTS:
+                    continue  # our own frame echoed back (loopback line)
+                if ev.type == P.NAK:
+                    self.link["naks"] += 1
+                    why = "NAK"
+                    break
+                if ev.seq != seq:
+                    self.link["stale_replies"] += 1
+                    continue
+                if ev.flags & P.F_RETX:
+                    self.link["duplicate_replies"] += 1
+                if ev.type == P.ACCEPTED:
+                    deadline = time.monotonic() + self.run_timeout
+                    continue
+                if ev.type == P.ERROR:
+                    self._board_error(name, ev)
+                if ev.type != expect:
+                    raise LinkError(f"protocol violation: {name} answered with {P.NAMES.get(ev.type, hex(ev.type))}, expected {P.NAMES[expect]}")
+                return ev
+        raise LinkError(f"{name} (seq {seq}) got no valid reply from {self.url} after {self.max_retries} attempts (last: {why}); link: {self._brief()}")
+
+    def _board_error(self, name: str, ev: Frame):
+        code, msg = P.unpack_error(ev.payload)
+        self.link["board_errors"] += 1
+        cname = P.ERROR_NAMES.get(code, str(code))
+        if code == P.E_SESSION:
+            self._dead = f"board reset detected during {name}: {msg}; device state is lost, the run cannot continue"
+            raise LinkError(self._dead)
+        if code in (P.E_RUN, P.E_ADDRESS, P.E_BAD_INSTR):
+            raise RunError(f"board refused {name}: {msg}" if code != P.E_RUN else msg)
+        raise LinkError(f"board refused {name}: {cname}: {msg}")
+
+    def _brief(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.link.items() if v)
+
+    # ------------------------------------------------------------ Target
+    def capabilities(self) -> Capabilities:
+        """From the board's INFO reply; opens the link (and starts the emulator) if not open yet."""
+        if self._caps is None:
+            self.open()
+        return self._caps
+
+    def load(self, program: Program) -> None:
+        caps = self.capabilities()
+        check_program_fits(program, caps, self.name)
+        d = caps.device
+        imgs = [img for img in program.bank_images if img.data is not None]
+        total = sum(int(img.data.size) * 2 for img in imgs)
+        t0 = time.monotonic()
+        self._transact(P.LOAD_PROGRAM, P.pack_load_program(len(imgs)), P.ACK)
+        chunk = max(1, min(self.chunk_bytes, self.max_payload - 8) // 2)
+        crc = 0
+        nbytes = nwrites = 0
+        show = self.progress if self.progress is not None else (total > (8 << 20) and sys.stderr.isatty())
+        bar = None
+        if show:
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+            bar = Progress(TextColumn("load → fpga"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            task = bar.add_task("load", total=total)
+            bar.start()
+        try:
+            for img in imgs:
+                flat = np.ascontiguousarray(img.data, dtype="<u2").reshape(-1)
+                if flat.size != d.channels * d.banks * d.cols:
+                    raise LoadError(f"bank image row {img.row} has {flat.size} elements, device rows hold {d.channels * d.banks * d.cols}")
+                for off in range(0, flat.size, chunk):
+                    seg = flat[off : off + chunk]
+                    if seg.any():  # the board's memory is zero after LOAD_PROGRAM
+                        pl = P.pack_write_mem(img.row, off, seg.tobytes())
+                        self._transact(P.WRITE_MEM, pl, P.ACK)
+                        crc = zlib.crc32(pl, crc)
+                        nbytes += len(pl)
+                        nwrites += 1
+                    if bar is not None:
+                        bar.update(task, advance=seg.size * 2)
+        finally:
+            if bar is not None:
+                bar.stop()
+        self._transact(P.LOAD_END, P.pack_load_end(nbytes, nwrites, crc), P.ACK)
+        self.load_seconds = time.monotonic() - t0
+        self.load_bytes = total
+        self._digest = ReadbackDigest()
+        self._counts = {}
+
+    def _groups(self, block: list[ResolvedInstr]):
+        """Split a block into EXEC frames whose request and READBACK both fit the max payload."""
+        lanes = self.capabilities().device.lanes
+        limit = self.max_payload - 4
+        cur, size, rsize = [], 0, 0
+        for r in block:
+            pl = b"" if r.payload is None else np.ascontiguousarray(r.payload, dtype=P.payload_dtype(r.instr.op)).tobytes()
+            isz = P.exec_item_bytes(len(pl))
+            rb = P.readback_bytes(r.instr.op, r.instr.n, lanes) if OPINFO[r.instr.op].data_out else 0
+            if cur and (size + isz > limit or rsize + rb > limit):
+                yield cur
+                cur, size, rsize = [], 0, 0
+            if isz > limit or rb > limit:
+                raise RunError(f"instruction {r.index} ({r.instr.op.name}) needs {max(isz, rb)} bytes in one frame, the board's max payload is {self.max_payload}")
+            cur.append((r, pl))
+            size += isz
+            rsize += rb
+        if cur:
+            yield cur
+
+    def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        lanes = self.capabilities().device.lanes
+        for group in self._groups(block):
+            items = []
+            for r, pl in group:
+                word = self._words.get(r.instr)
+                if word is None:
+                    try:
+                        word = r.instr.encode()
+                    except Exception as e:
+                        raise RunError(f"instruction {r.index}: {e}") from None
+                    if len(self._words) > (1 << 17):
+                        self._words.clear()
+                    self._words[r.instr] = word
+                items.append((r.index, word, pl))
+            f = self._transact(P.EXEC, P.pack_exec(items), P.READBACK)
+            try:
+                rbs = P.unpack_readback(f.payload)
+            except P.ProtocolError as e:
+                raise LinkError(f"malformed READBACK from the board: {e}") from None
+            outs = [r for r, _ in group if OPINFO[r.instr.op].data_out]
+            if len(rbs) != len(outs):
+                raise LinkError(f"protocol violation: EXEC of {len(group)} instructions returned {len(rbs)} readbacks, expected {len(outs)}")
+            for r, a in zip(outs, rbs):
+                want = (r.instr.n, np.float32) if r.instr.op is Op.RD_ACC else (r.instr.n * lanes, np.uint16)
+                if a.size != want[0] or a.dtype != want[1]:
+                    raise LinkError(f"protocol violation: readback of instruction {r.index} ({r.instr.op.name}) is {a.size} x {a.dtype}, expected {want[0]} x {np.dtype(want[1])}")
+            it = iter(rbs)
+            for r, _ in group:
+                op = r.instr.op
+                self._counts[op.name] = self._counts.get(op.name, 0) + 1
+                if OPINFO[op].data_out:
+                    a = next(it)
+                    out.append(a)
+                    self._digest.add(a)
+                elif op is Op.SYNC:
+                    self._digest.sync(r.index)
+        return out
+
+    def _check_bank(self, ch: int, bank: int) -> DeviceConfig:
+        d = self.capabilities().device
+        if not (0 <= ch < d.channels and 0 <= bank < d.banks):
+            raise RunError(f"channel {ch} / bank {bank} outside the device ({d.channels} channels x {d.banks} banks)")
+        return d
+
+    def read_row(self, ch: int, bank: int, row: int) -> np.ndarray:
+        d = self._check_bank(ch, bank)
+        f = self._transact(P.READ_MEM, P.pack_read_mem(row, (ch * d.banks + bank) * d.cols, d.cols), P.MEM_DATA)
+        if len(f.payload) != 2 * d.cols:
+            raise LinkError(f"protocol violation: READ_MEM of {d.cols} elements returned {len(f.payload)} bytes")
+        return np.frombuffer(f.payload, dtype="<u2").astype(np.uint16)
+
+    def write_row(self, ch: int, bank: int, row: int, data: np.ndarray) -> None:
+        d = self._check_bank(ch, bank)
+        a = np.ascontiguousarray(data, dtype="<u2").reshape(-1)
+        if a.size != d.cols:
+            raise RunError(f"write_row needs {d.cols} elements, got {a.size}")
+        self._transact(P.WRITE_MEM, P.pack_write_mem(row, (ch * d.banks + bank) * d.cols, a.tobytes()), P.ACK)
+
+    def status(self) -> dict:
+        """The board's STATUS counters (one round trip)."""
+        st = P.unpack_status(self._transact(P.STATUS, b"", P.STATUS_REPLY).payload)
+        st["state"] = P.STATE_NAMES.get(st["state"], st["state"])
+        st["last_error"] = P.ERROR_NAMES.get(st["last_error"], st["last_error"])
+        return st
+
+    def trace(self) -> list[SyncRecord]:
+        return list(self._digest.records)
+
+    def stats(self) -> dict:
+        link = dict(self.link)
+        link["wire_efficiency"] = round(link["payload_tx"] / link["bytes_tx"], 4) if link["bytes_tx"] else None
+        out = {"instructions": dict(self._counts), "link": link, "port": self.url or self.port, "baud": self.baud}
+        if self.proc is not None or (self.port is None and self.url):
+            out["emulator"] = {"device": self.device_name, "faults": self.faults or "none", "rtl": self.rtl}
+        if self.load_bytes:
+            out["load"] = {"bytes": self.load_bytes, "seconds": round(self.load_seconds, 3), "MB_per_s": round(self.load_bytes / max(self.load_seconds, 1e-9) / 1e6, 2)}
+        if self.info:
+            out["board"] = {"name": self.info.get("board"), "backend": self.info.get("backend"), "max_payload": self.max_payload}
+        return out

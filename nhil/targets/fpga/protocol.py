@@ -1,0 +1,271 @@
+"""Messages of the FPGA link protocol v1 (``docs/link-protocol.md`` sections 3-5).
+
+Payload layouts are little-endian. Parsers raise :class:`ProtocolError` on any
+inconsistency (short payload, trailing bytes, counts that do not add up); the device
+answers those with ``ERROR E_BAD_LENGTH``, the host turns them into ``LinkError``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from nhil.isa.instr import OPINFO, WORD_BYTES, Op
+
+PROTOCOL_VERSION = 1
+ISA_VERSION = 0
+
+# ----------------------------------------------------------------- message types
+HELLO = 0x01
+INFO = 0x02
+RESET = 0x03
+WRITE_MEM = 0x04
+READ_MEM = 0x05
+LOAD_PROGRAM = 0x06
+LOAD_END = 0x07
+EXEC = 0x08
+STATUS = 0x09
+
+ACK = 0x80
+HELLO_REPLY = 0x81
+INFO_REPLY = 0x82
+MEM_DATA = 0x85
+READBACK = 0x88
+STATUS_REPLY = 0x89
+ACCEPTED = 0x8A
+NAK = 0xFE
+ERROR = 0xFF
+
+REQUESTS = {HELLO, INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS}
+NAMES = {
+    HELLO: "HELLO", INFO: "INFO", RESET: "RESET", WRITE_MEM: "WRITE_MEM", READ_MEM: "READ_MEM", LOAD_PROGRAM: "LOAD_PROGRAM",
+    LOAD_END: "LOAD_END", EXEC: "EXEC", STATUS: "STATUS", ACK: "ACK", HELLO_REPLY: "HELLO_REPLY", INFO_REPLY: "INFO_REPLY",
+    MEM_DATA: "MEM_DATA", READBACK: "READBACK", STATUS_REPLY: "STATUS_REPLY", ACCEPTED: "ACCEPTED", NAK: "NAK", ERROR: "ERROR",
+}
+
+# header flags
+F_RETX = 0x01  # host: this is a retransmission; device: this reply comes from the reply cache
+
+# ----------------------------------------------------------------- error codes (ERROR and NAK)
+E_CRC = 1
+E_FRAMING = 2
+E_OVERSIZE = 3
+E_UNKNOWN_TYPE = 4
+E_BAD_LENGTH = 5
+E_SESSION = 6
+E_VERSION = 7
+E_ADDRESS = 8
+E_RUN = 9
+E_STATE = 10
+E_LOAD_CHECK = 11
+E_BAD_INSTR = 12
+E_INTERNAL = 13
+ERROR_NAMES = {
+    E_CRC: "E_CRC", E_FRAMING: "E_FRAMING", E_OVERSIZE: "E_OVERSIZE", E_UNKNOWN_TYPE: "E_UNKNOWN_TYPE", E_BAD_LENGTH: "E_BAD_LENGTH",
+    E_SESSION: "E_SESSION", E_VERSION: "E_VERSION", E_ADDRESS: "E_ADDRESS", E_RUN: "E_RUN", E_STATE: "E_STATE",
+    E_LOAD_CHECK: "E_LOAD_CHECK", E_BAD_INSTR: "E_BAD_INSTR", E_INTERNAL: "E_INTERNAL",
+}
+
+# readback element types
+DT_U16 = 1
+DT_F32 = 2
+_DT = {DT_U16: np.dtype("<u2"), DT_F32: np.dtype("<f4")}
+
+
+class ProtocolError(Exception):
+    """A payload that does not parse."""
+
+
+def _need(buf: bytes, n: int, what: str) -> None:
+    if len(buf) != n:
+        raise ProtocolError(f"{what} payload is {len(buf)} bytes, expected {n}")
+
+
+# ----------------------------------------------------------------- HELLO
+_HELLO = struct.Struct("<HHI")  # proto, isa, host nonce
+_HELLO_R = struct.Struct("<HHIII")  # proto, isa, board nonce, max_payload, reserved
+
+
+def pack_hello(host_nonce: int) -> bytes:
+    return _HELLO.pack(PROTOCOL_VERSION, ISA_VERSION, host_nonce)
+
+
+def unpack_hello(p: bytes) -> tuple[int, int, int]:
+    _need(p, _HELLO.size, "HELLO")
+    return _HELLO.unpack(p)
+
+
+def pack_hello_reply(board_nonce: int, max_payload: int) -> bytes:
+    return _HELLO_R.pack(PROTOCOL_VERSION, ISA_VERSION, board_nonce, max_payload, 0)
+
+
+def unpack_hello_reply(p: bytes) -> tuple[int, int, int, int]:
+    _need(p, _HELLO_R.size, "HELLO_REPLY")
+    return _HELLO_R.unpack(p)[:4]
+
+
+# ----------------------------------------------------------------- memory
+_MEM = struct.Struct("<II")  # row, offset (elements into the row image [ch][bank][col])
+_RD = struct.Struct("<III")  # row, offset, count
+
+
+def pack_write_mem(row: int, offset: int, data: bytes) -> bytes:
+    return _MEM.pack(row, offset) + data
+
+
+def unpack_write_mem(p: bytes) -> tuple[int, int, bytes]:
+    if len(p) < _MEM.size + 2 or (len(p) - _MEM.size) % 2:
+        raise ProtocolError(f"WRITE_MEM payload of {len(p)} bytes: needs 8 address bytes and a positive even number of data bytes")
+    row, off = _MEM.unpack_from(p, 0)
+    return row, off, p[_MEM.size :]
+
+
+def pack_read_mem(row: int, offset: int, count: int) -> bytes:
+    return _RD.pack(row, offset, count)
+
+
+def unpack_read_mem(p: bytes) -> tuple[int, int, int]:
+    _need(p, _RD.size, "READ_MEM")
+    return _RD.unpack(p)
+
+
+_LOADP = struct.Struct("<II")  # rows that will be written (hint), reserved
+_LOADE = struct.Struct("<QII")  # WRITE_MEM payload bytes since LOAD_PROGRAM, WRITE_MEM count, crc32 of those payloads
+
+
+def pack_load_program(rows: int) -> bytes:
+    return _LOADP.pack(rows, 0)
+
+
+def unpack_load_program(p: bytes) -> int:
+    _need(p, _LOADP.size, "LOAD_PROGRAM")
+    return _LOADP.unpack(p)[0]
+
+
+def pack_load_end(nbytes: int, nwrites: int, crc: int) -> bytes:
+    return _LOADE.pack(nbytes, nwrites, crc)
+
+
+def unpack_load_end(p: bytes) -> tuple[int, int, int]:
+    _need(p, _LOADE.size, "LOAD_END")
+    return _LOADE.unpack(p)
+
+
+# ----------------------------------------------------------------- EXEC / READBACK
+_U32 = struct.Struct("<I")
+_RB = struct.Struct("<BxxxI")  # dtype, pad, element count
+
+
+def payload_dtype(op: Op) -> np.dtype:
+    """Element type of a data-in payload of ``op``."""
+    return _DT[DT_F32] if op is Op.WR_ACC else _DT[DT_U16]
+
+
+def exec_item_bytes(word_payload_nbytes: int) -> int:
+    """Bytes one instruction takes in an EXEC payload."""
+    return 4 + WORD_BYTES + 4 + word_payload_nbytes
+
+
+def pack_exec(items: list[tuple[int, bytes, bytes]]) -> bytes:
+    """``items`` = (instruction index, 16-byte word, payload bytes)."""
+    parts = [_U32.pack(len(items))]
+    for idx, word, pl in items:
+        parts += [_U32.pack(idx), word, _U32.pack(len(pl)), pl]
+    return b"".join(parts)
+
+
+def unpack_exec(p: bytes) -> list[tuple[int, bytes, bytes]]:
+    if len(p) < 4:
+        raise ProtocolError("EXEC payload shorter than its count")
+    (n,) = _U32.unpack_from(p, 0)
+    if n > len(p) // (4 + WORD_BYTES + 4):
+        raise ProtocolError(f"EXEC count {n} does not fit a {len(p)}-byte payload")
+    pos = 4
+    out = []
+    for _ in range(n):
+        if pos + 4 + WORD_BYTES + 4 > len(p):
+            raise ProtocolError("EXEC payload truncated inside an instruction")
+        (idx,) = _U32.unpack_from(p, pos)
+        word = p[pos + 4 : pos + 4 + WORD_BYTES]
+        (nb,) = _U32.unpack_from(p, pos + 4 + WORD_BYTES)
+        pos += 4 + WORD_BYTES + 4
+        if nb > len(p) - pos:
+            raise ProtocolError(f"EXEC instruction {idx}: payload length {nb} runs past the end of the frame")
+        out.append((idx, word, p[pos : pos + nb]))
+        pos += nb
+    if pos != len(p):
+        raise ProtocolError(f"EXEC payload has {len(p) - pos} trailing bytes")
+    return out
+
+
+def readback_bytes(op: Op, n: int, lanes: int) -> int:
+    """Bytes a data-out instruction adds to a READBACK payload."""
+    return _RB.size + (4 * n if op is Op.RD_ACC else 2 * n * lanes)
+
+
+def pack_readback(arrays: list[np.ndarray]) -> bytes:
+    parts = [_U32.pack(len(arrays))]
+    for a in arrays:
+        dt = DT_F32 if a.dtype == np.float32 else DT_U16
+        parts += [_RB.pack(dt, a.size), np.ascontiguousarray(a, dtype=_DT[dt]).tobytes()]
+    return b"".join(parts)
+
+
+def unpack_readback(p: bytes) -> list[np.ndarray]:
+    if len(p) < 4:
+        raise ProtocolError("READBACK payload shorter than its count")
+    (n,) = _U32.unpack_from(p, 0)
+    if n > len(p) // _RB.size:
+        raise ProtocolError(f"READBACK count {n} does not fit a {len(p)}-byte payload")
+    pos = 4
+    out = []
+    for _ in range(n):
+        if pos + _RB.size > len(p):
+            raise ProtocolError("READBACK truncated")
+        dt, cnt = _RB.unpack_from(p, pos)
+        pos += _RB.size
+        if dt not in _DT:
+            raise ProtocolError(f"READBACK element type {dt} unknown")
+        nb = cnt * _DT[dt].itemsize
+        if nb > len(p) - pos:
+            raise ProtocolError("READBACK data runs past the end of the frame")
+        a = np.frombuffer(p, dtype=_DT[dt], count=cnt, offset=pos).astype(np.float32 if dt == DT_F32 else np.uint16)
+        out.append(a)
+        pos += nb
+    if pos != len(p):
+        raise ProtocolError(f"READBACK has {len(p) - pos} trailing bytes")
+    return out
+
+
+# ----------------------------------------------------------------- STATUS / ERROR
+STATUS_FIELDS = ("board_nonce", "state", "frames_ok", "frames_bad", "duplicates", "instructions", "last_error", "uptime_ms")
+_STATUS = struct.Struct("<8I")
+STATE_NAMES = {0: "idle", 1: "loading", 2: "loaded"}
+
+
+def pack_status(values: dict) -> bytes:
+    return _STATUS.pack(*(int(values[k]) & 0xFFFFFFFF for k in STATUS_FIELDS))
+
+
+def unpack_status(p: bytes) -> dict:
+    _need(p, _STATUS.size, "STATUS_REPLY")
+    return dict(zip(STATUS_FIELDS, _STATUS.unpack(p)))
+
+
+_ERR = struct.Struct("<HH")  # code, reserved
+
+
+def pack_error(code: int, message: str) -> bytes:
+    return _ERR.pack(code, 0) + message.encode("utf-8", "replace")[:1024]
+
+
+def unpack_error(p: bytes) -> tuple[int, str]:
+    if len(p) < _ERR.size:
+        return E_INTERNAL, "(malformed ERROR payload)"
+    code, _ = _ERR.unpack_from(p, 0)
+    return code, p[_ERR.size :].decode("utf-8", "replace")
+
+
+def data_out_ops() -> frozenset[Op]:
+    return frozenset(o for o, i in OPINFO.items() if i.data_out)
