@@ -15,13 +15,15 @@ SEED ?= 0
 PROMPT ?=
 DEVICE ?=
 REGEN ?=
-WAVES ?=
+QUANT ?=
 JOBS ?= 2
+# FPGA_PORT, FPGA_BAUD, FPGA_FAULTS (e.g. flip=0.01,drop=0.01,dup=0.01,seed=1) and WAVES=1 reach the
+# targets as environment variables (make passes command-line variables to the recipe's environment)
 
 VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \
-	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen)
+	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen) $(if $(QUANT),--quant "$(QUANT)")
 
-.PHONY: venv verify test test-fast bench nightly sweep checklist clean
+.PHONY: venv verify test test-fast bench nightly sweep checklist clean quant-report
 
 venv: $(STAMP)
 
@@ -36,7 +38,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 verify: $(STAMP)
-	WAVES=$(WAVES) $(NHIL) verify $(VERIFY_ARGS)
+	$(NHIL) verify $(VERIFY_ARGS)
 
 # the default test run: unit tests (parallel), then the main job on the tiny and the real Llama
 test: $(STAMP)
@@ -60,6 +62,10 @@ sweep: $(STAMP)
 
 checklist: $(STAMP)
 	$(NHIL) checklist
+
+# accuracy/footprint table of every QUANT recipe on the real llama (slow: ~1 h on 2 CPUs)
+quant-report: $(STAMP)
+	$(NHIL) quant-report --model $(MODEL) --tokens $(TOKENS)
 
 clean:
 	rm -rf runs build .pytest_cache
