@@ -1,0 +1,59 @@
+// pim_bank: one DRAM bank of a PIM channel, stored as ROWS*BURSTS bursts of LANES bf16.
+// One write port (lane-masked), one asynchronous read port (address = row*BURSTS + burst).
+//
+// Simulation backdoor (not synthesized, `ifndef SYNTHESIS): a bd_clear pulse zeroes the
+// whole bank on the next clock edge; a bd_load pulse then reads
+// <NHIL_MEMDIR>/bank<BANK_ID>.hex with $readmemh (one burst per line, lane 0 in the low
+// 16 bits, "@addr" lines give the burst address). NHIL_MEMDIR is a plusarg
+// (+NHIL_MEMDIR=<dir>, default "."). See docs/rtl-interface.md "Backdoor load".
+`timescale 1ns / 1ps
+
+module pim_bank #(
+    parameter int ROWS    = 256,
+    parameter int BURSTS  = 8,   // bursts per row
+    parameter int LANES   = 16,
+    parameter int BANK_ID = 0,
+    parameter int AW      = $clog2(ROWS * BURSTS),
+    parameter int BW      = LANES * 16
+) (
+    input  logic             clk,
+    input  logic             we,
+    input  logic [LANES-1:0] wmask,  // lane i written when wmask[i]
+    input  logic [   AW-1:0] waddr,
+    input  logic [   BW-1:0] wdata,
+    input  logic [   AW-1:0] raddr,
+    output logic [   BW-1:0] rdata,
+    input  logic             bd_clear,  // simulation backdoor (see header)
+    input  logic             bd_load
+);
+  localparam int DEPTH = ROWS * BURSTS;
+
+  logic [BW-1:0] mem[DEPTH];
+  logic [BW-1:0] bitmask;
+
+  always_comb begin
+    for (int i = 0; i < LANES; i++) bitmask[16*i+:16] = {16{wmask[i]}};
+  end
+
+  assign rdata = mem[raddr];
+
+`ifndef SYNTHESIS
+  string memdir;
+  initial begin
+    if (!$value$plusargs("NHIL_MEMDIR=%s", memdir)) memdir = ".";
+  end
+`endif
+
+  always_ff @(posedge clk) begin
+    if (we) mem[waddr] <= (mem[waddr] & ~bitmask) | (wdata & bitmask);
+`ifndef SYNTHESIS
+    if (bd_clear) begin
+      for (int i = 0; i < DEPTH; i++) mem[i] <= '0;
+    end
+    if (bd_load) $readmemh($sformatf("%s/bank%0d.hex", memdir, BANK_ID), mem);
+`else
+    if (bd_clear || bd_load) begin
+    end
+`endif
+  end
+endmodule

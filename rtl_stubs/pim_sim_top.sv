@@ -1,0 +1,89 @@
+// pim_sim_top: simulation harness top used by nhil's cocotb testbenches (not part of the
+// contract). It holds the channel under test (u_ch, ports forwarded unchanged) and the
+// datapath probe (u_probe) so one build serves both the RtlTarget and the datapath unit
+// tests. Parameters are passed through to pim_channel.
+`timescale 1ns / 1ps
+
+module pim_sim_top #(
+    parameter int BANKS    = 16,
+    parameter int ROWS     = 256,
+    parameter int COLS     = 128,
+    parameter int LANES    = 16,
+    parameter int ACCS     = 4,
+    parameter int GB_ELEMS = 128,
+    parameter int DW       = LANES * 16
+) (
+    input  logic                clk,
+    input  logic                rst_n,
+    input  logic                cmd_valid,
+    output logic                cmd_ready,
+    input  logic [      DW-1:0] cmd_data,
+    output logic                rd_valid,
+    input  logic                rd_ready,
+    output logic [      DW-1:0] rd_data,
+    output logic                rd_last,
+    output logic                busy_o,
+    output logic                sync_o,
+    output logic                eoc_o,
+    output logic                err_o,
+    input  logic                bd_clear,
+    input  logic                bd_load,
+    // datapath probe (see pim_dp_probe)
+    input  logic [        15:0] mul_a,
+    input  logic [        15:0] mul_b,
+    output logic [        31:0] mul_y,
+    input  logic [        31:0] add_a,
+    input  logic [        31:0] add_b,
+    output logic [        31:0] add_y,
+    input  logic [        31:0] cvt_a,
+    output logic [        15:0] cvt_y,
+    input  logic [LANES*16-1:0] mac_w,
+    input  logic [LANES*16-1:0] mac_a,
+    input  logic [        31:0] mac_acc,
+    output logic [        31:0] mac_dot,
+    output logic [        31:0] mac_y
+);
+  pim_channel #(
+      .BANKS(BANKS),
+      .ROWS(ROWS),
+      .COLS(COLS),
+      .LANES(LANES),
+      .ACCS(ACCS),
+      .GB_ELEMS(GB_ELEMS),
+      .DW(DW)
+  ) u_ch (
+      .clk(clk),
+      .rst_n(rst_n),
+      .cmd_valid(cmd_valid),
+      .cmd_ready(cmd_ready),
+      .cmd_data(cmd_data),
+      .rd_valid(rd_valid),
+      .rd_ready(rd_ready),
+      .rd_data(rd_data),
+      .rd_last(rd_last),
+      .busy_o(busy_o),
+      .sync_o(sync_o),
+      .eoc_o(eoc_o),
+      .err_o(err_o),
+      .bd_clear(bd_clear),
+      .bd_load(bd_load)
+  );
+
+  pim_dp_probe #(
+      .LANES(LANES)
+  ) u_probe (
+      .mul_a(mul_a),
+      .mul_b(mul_b),
+      .mul_y(mul_y),
+      .add_a(add_a),
+      .add_b(add_b),
+      .add_y(add_y),
+      .cvt_a(cvt_a),
+      .cvt_y(cvt_y),
+      .mac_w(mac_w),
+      .mac_a(mac_a),
+      .mac_acc(mac_acc),
+      .mac_dot(mac_dot),
+      .mac_y(mac_y)
+  );
+endmodule
