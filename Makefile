@@ -40,11 +40,14 @@ $(STAMP): pyproject.toml
 verify: $(STAMP)
 	$(NHIL) verify $(VERIFY_ARGS)
 
-# the default test run: unit tests (parallel), then the main job on the tiny and the real Llama
+# the default test run: unit tests (parallel), then the main job on the tiny and the real Llama,
+# and the tiny Llama on the RTL and FPGA (emulated board) targets, bit-identical to the simulator
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -q
 	$(MAKE) --no-print-directory verify MODEL=llama-tiny TARGET=sim
 	$(MAKE) --no-print-directory verify MODEL=llama TARGET=sim
+	$(MAKE) --no-print-directory verify MODEL=llama-tiny TARGET=rtl
+	$(MAKE) --no-print-directory verify MODEL=llama-tiny TARGET=fpga
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -q -m "not slow and not real"
