@@ -5,6 +5,17 @@ encode), golden generation (PyTorch eager), simulator time per decoded token, an
 PyTorch eager time per decoded token (the baseline). Memory is the peak resident set
 size above the stage's starting RSS, sampled every 20 ms from ``/proc/self/statm``.
 The table is printed and saved as JSON (for trend tracking).
+
+Performance rows (``nhil.timing``, ``docs/timing-model.md``): for each real model and
+each shape-only config (``nhil.compiler.shape_only.CONFIGS``): modelled cycles and
+tokens/s per decode step, GEMV bandwidth achieved / timing-bound best / device peak, the
+rooflines (PIM peak, external-bandwidth-bound, GPU-HBM-bound with ``--gpu-gbs``) and
+the speed-ups, each before/after the scheduling passes, for a reordering controller and
+an in-order sequencer; plus the simulator's time with the timing model on vs off.
+
+Other targets add rows through :data:`ROW_PROVIDERS`: callables
+``provider(result: dict) -> list[tuple[str, str, str, str, str]]`` (stage, value,
+ratio, baseline, note) called once per model result; RTL/FPGA timing rows go there.
 """
 
 from __future__ import annotations
@@ -49,7 +60,68 @@ def measure(out: dict):
         out["peak_rss_mb"] = (peak[0] - start) / 2**20
 
 
-def bench_model(name: str, tokens: int) -> dict:
+ROW_PROVIDERS: list = []  # hooks: provider(result) -> rows (stage, value, ratio, baseline, note)
+
+
+def _rtl_rows(r: dict) -> list:
+    """RTL build (cold/cached), cycles/s, MACs/s and time per token vs the simulator, once (on llama-tiny)."""
+    if r.get("model") != "llama-tiny" or "rtl" not in os.environ.get("NHIL_BENCH_TARGETS", "rtl,fpga"):
+        return []
+    from nhil.errors import NhilError
+    from nhil.targets.rtl.bench import as_table_rows, rtl_bench_rows
+
+    try:
+        return [(st, val, ratio, f"{base} {note}".strip()) for st, val, ratio, base, note in as_table_rows(rtl_bench_rows())]
+    except NhilError as e:
+        return [("rtl", "unavailable", "", str(e)[:80])]
+
+
+def _fpga_rows(r: dict) -> list:
+    """Serial-link efficiency and throughput over a pty vs raw pty writes measured in the same call, once."""
+    if r.get("model") != "llama-tiny" or "fpga" not in os.environ.get("NHIL_BENCH_TARGETS", "rtl,fpga"):
+        return []
+    from nhil.targets.fpga.bench import link_benchmark
+
+    b = link_benchmark(64 << 20)
+    return [
+        ("fpga link: bulk write 64 MiB over a pty", f"{b['link_MBps']:.1f} MB/s", f"{b['link_vs_raw']:.2f}", f"x raw pty write ({b['raw_pty_MBps']:.1f} MB/s)"),
+        ("fpga link: protocol efficiency", f"{b['wire_efficiency']:.4f}", "", "payload bytes / wire bytes"),
+    ]
+
+
+ROW_PROVIDERS += [_rtl_rows, _fpga_rows]
+PASSES = ["gemv-batch"]
+SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
+
+
+def perf_rows(prog, gpu_gbs: float) -> dict:
+    """Timing reports of ``prog`` before/after the scheduling passes, reordering and in-order controller."""
+    from nhil.compiler.schedule import apply_passes
+    from nhil.timing.report import analyze
+
+    after = apply_passes(prog, PASSES)
+    out = {}
+    for ctl, inorder in (("reordering", False), ("in-order", True)):
+        t0 = time.perf_counter()
+        out[ctl] = {"before": analyze(prog, gpu_gbs=gpu_gbs, inorder=inorder), "after": analyze(after, gpu_gbs=gpu_gbs, inorder=inorder)}
+        out[ctl]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def bench_shape_only(name: str, gpu_gbs: float) -> dict:
+    """Shape-only compile of a large config + its timing report."""
+    from nhil.compiler.shape_only import compile_shape_only
+
+    r: dict = {"model": name, "shape_only": True}
+    r["compile"] = {}
+    with measure(r["compile"]):
+        prog = compile_shape_only(name, max_cache_len=128)
+    r["device"] = prog.device.name
+    r["perf"] = perf_rows(prog, gpu_gbs)
+    return r
+
+
+def bench_model(name: str, tokens: int, gpu_gbs: float = 3350.0) -> dict:
     """Measure one model (see the module docstring); returns a dict of stage -> measurements."""
     import torch
 
@@ -101,31 +173,75 @@ def bench_model(name: str, tokens: int) -> dict:
         r["eager_s_per_token"] = (time.perf_counter() - t0) / positions
     r["sim_vs_eager"] = r["sim_s_per_token"] / r["eager_s_per_token"]
     r["compile_vs_export"] = r["compile"]["seconds"] / r["export"]["seconds"]
+    # the same run with the timing model on (off by default)
+    from nhil.targets.sim.timing import TimedSimTarget
+
+    tr = Runner(prog, TimedSimTarget())
+    tr.reset()
+    r["simulate_timed"] = {}
+    with measure(r["simulate_timed"]):
+        run_greedy(tr, ids, tokens)
+    tm = tr.t.stats()["timing"]
+    # the cost is the time spent inside the timing model (wall-clock differences between
+    # two simulator runs are dominated by machine noise here)
+    r["timing_overhead"] = tm["engine_seconds"] / r["simulate"]["seconds"]
+    r["timing_overhead_wall"] = r["simulate_timed"]["seconds"] / r["simulate"]["seconds"] - 1.0
+    r["sim_timing"] = {k: tm[k] for k in ("step_cycles", "timed_steps", "engine_seconds")}
+    r["perf"] = perf_rows(prog, gpu_gbs)
     return r
 
 
-def run_bench(models: list[str], tokens: int, output: Path) -> list[dict]:
-    """Benchmark ``models``, print the table, save JSON to ``output`` (atomically)."""
+def _perf_table_rows(t, r) -> None:
+    for ctl, pr in r["perf"].items():
+        b, a = pr["before"], pr["after"]
+        g0, g1 = b["gemv"], a["gemv"]
+        rf = a["roofline"]
+        tag = f"({ctl})"
+        t.add_row("", f"{tag} cycles / token (passes: before -> after)", f"{b['cycles_per_token']:,} -> {a['cycles_per_token']:,}", f"{b['cycles_per_token'] / a['cycles_per_token']:.3f}", "x speed-up of the passes")
+        t.add_row("", f"{tag} modelled decode tokens/s", f"{b['tokens_per_s']:,.0f} -> {a['tokens_per_s']:,.0f}", f"{a['tokens_per_s'] / rf['pim_row_bound_tokens_per_s']:.2f}", f"of table-bound {rf['pim_row_bound_tokens_per_s']:,.0f} tok/s")
+        t.add_row("", f"{tag} GEMV bandwidth achieved GB/s", f"{g0['achieved_gbs']:,.0f} -> {g1['achieved_gbs']:,.0f}", f"{g1['achieved_of_best']:.3f}", f"of best {g1['best_gbs']:,.0f} (= {g1['best_of_peak']:.3f} of peak {g1['peak_gbs']:,.0f})")
+        t.add_row("", f"{tag} GEMV achieved / device peak", f"{g0['achieved_of_peak']:.3f} -> {g1['achieved_of_peak']:.3f}", "", "peak internal bandwidth")
+        t.add_row("", f"{tag} host + SYNC share of the step", f"{b['host_and_sync_fraction']:.3f} -> {a['host_and_sync_fraction']:.3f}", "", "")
+    a = r["perf"]["reordering"]["after"]
+    rf = a["roofline"]
+    t.add_row("", "roofline: PIM peak internal", f"{rf['pim_peak_tokens_per_s']:,.0f} tok/s", "", f"{a['step_bytes'] / 1e9:.3f} GB read per token")
+    t.add_row("", "baseline: external-bandwidth-bound", f"{rf['external_bound_tokens_per_s']:,.1f} tok/s", f"{rf['speedup_vs_external']:.1f}", f"x PIM speed-up ({rf['external_gbs']:,.0f} GB/s pins)")
+    t.add_row("", "baseline: GPU HBM-bound", f"{rf['gpu_bound_tokens_per_s']:,.1f} tok/s", f"{rf['speedup_vs_gpu']:.2f}", f"x PIM speed-up ({rf['gpu_hbm_gbs']:,.0f} GB/s HBM)")
+
+
+def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 3350.0, configs: list[str] | None = None) -> list[dict]:
+    """Benchmark ``models`` and shape-only ``configs``, print one table, save JSON to ``output`` (atomically)."""
     from rich.console import Console
     from rich.table import Table
 
     from nhil.util import atomic_write_text
 
+    configs = SHAPE_CONFIGS if configs is None else configs
     rows = []
     for m in models:
         print(f"[bench] {m} ...", file=sys.stderr, flush=True)
-        rows.append(bench_model(m, tokens))
-    t = Table(title=f"nhil bench ({tokens} decoded tokens; ratios against baselines measured in this run)")
-    for col in ("model", "stage", "wall s", "peak +RSS MB", "ratio", "baseline"):
+        rows.append(bench_model(m, tokens, gpu_gbs))
+    for c in configs:
+        print(f"[bench] {c} (shape-only) ...", file=sys.stderr, flush=True)
+        rows.append(bench_shape_only(c, gpu_gbs))
+    t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PASSES)})")
+    for col in ("model", "stage", "value", "ratio", "baseline / note"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["model"], "golden (eager fp32)", f"{r['golden']['seconds']:.2f}", f"{r['golden']['peak_rss_mb']:.0f}", "", "")
-        t.add_row("", "torch.export decode", f"{r['export']['seconds']:.2f}", f"{r['export']['peak_rss_mb']:.0f}", "1.00", "export")
-        t.add_row("", "compile (raise+lower+encode)", f"{r['compile']['seconds']:.2f}", f"{r['compile']['peak_rss_mb']:.0f}", f"{r['compile_vs_export']:.2f}", "x export")
-        t.add_row("", "sim load (bank images)", f"{r['sim_load']['seconds']:.2f}", f"{r['sim_load']['peak_rss_mb']:.0f}", "", "")
-        t.add_row("", "simulate per token", f"{r['sim_s_per_token']:.3f}", f"{r['simulate']['peak_rss_mb']:.0f}", f"{r['sim_vs_eager']:.1f}", "x eager per token")
-        t.add_row("", "eager per token (baseline)", f"{r['eager_s_per_token']:.4f}", "", "1.00", "")
-    Console(width=140).print(t)
-    atomic_write_text(output, json.dumps(rows, indent=2))
+        if r.get("shape_only"):
+            t.add_row(r["model"], f"shape-only compile ({r['device']})", f"{r['compile']['seconds']:.2f} s", "", f"+{r['compile']['peak_rss_mb']:.0f} MB RSS")
+        else:
+            t.add_row(r["model"], "golden (eager fp32)", f"{r['golden']['seconds']:.2f} s", "", "")
+            t.add_row("", "torch.export decode", f"{r['export']['seconds']:.2f} s", "1.00", "export")
+            t.add_row("", "compile (raise+lower+encode)", f"{r['compile']['seconds']:.2f} s", f"{r['compile_vs_export']:.2f}", "x export")
+            t.add_row("", "sim load (bank images)", f"{r['sim_load']['seconds']:.2f} s", "", f"+{r['sim_load']['peak_rss_mb']:.0f} MB RSS")
+            t.add_row("", "simulate per token", f"{r['sim_s_per_token']:.3f} s", f"{r['sim_vs_eager']:.1f}", f"x eager per token ({r['eager_s_per_token']:.4f} s)")
+            t.add_row("", "timing model on: time in the model", f"{r['sim_timing']['engine_seconds']:.2f} s", f"{r['timing_overhead']:.1%}", f"of simulate, timing off ({r['simulate']['seconds']:.2f} s; wall diff {r['timing_overhead_wall']:+.0%})")
+        _perf_table_rows(t, r)
+        for prov in ROW_PROVIDERS:
+            for row in prov(r):
+                t.add_row("", *row)
+    Console(width=160).print(t)
+    atomic_write_text(output, json.dumps(rows, indent=2, default=float))
     print(f"[bench] saved {output}", file=sys.stderr)
     return rows

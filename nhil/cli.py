@@ -24,8 +24,13 @@ def _fail(e: NhilError) -> None:
 
 
 @app.command()
-def models(coverage: bool = typer.Option(False, help="(reserved) per-architecture coverage table")) -> None:
+def models(coverage: bool = typer.Option(False, help="measure and print the per-architecture coverage table (export/raise/lower/sim verify; minutes)")) -> None:
     """List registered models."""
+    if coverage:
+        from nhil.coverage import coverage_table, format_rows
+
+        typer.echo(format_rows(coverage_table()))
+        return
     from nhil.models import list_models
 
     for name, desc in list_models().items():
@@ -104,6 +109,7 @@ def verify(
     no_lockstep: bool = typer.Option(False, help="do not cross-check a non-sim target against the simulator"),
     repeat: int = typer.Option(1, help="repeat the teacher-forced run N times and check bit-identical logits"),
     runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
+    quant: str = typer.Option("bf16", "--quant", "-q", help="weight quantization recipe: native|bf16|int8|int4-g128|fp8-e4m3|mxfp8|mxfp6|mxfp4|mxint8|nvfp4|q8_0|q4_0|q4_1 or a format name, with overrides like mxfp4:lm_head=bf16"),
 ) -> None:
     """Compile, run on TARGET, compare with the golden; exit 0 only if every check passes."""
     from nhil.report.writer import print_summary
@@ -113,7 +119,7 @@ def verify(
     for kv in option:
         k, _, v = kv.partition("=")
         opts[k] = v
-    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir)
+    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant)
     rep = run_verify(o)
     print_summary(rep)
     typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
@@ -232,12 +238,30 @@ def targets() -> None:
 
 
 @app.command()
-def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: int = typer.Option(8), output: Path = typer.Option(Path("runs/bench.json"))) -> None:
-    """Benchmark table: export/compile/simulate/golden wall time and memory, ratio to eager."""
+def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: int = typer.Option(8), output: Path = typer.Option(Path("runs/bench.json")),
+          configs: str = typer.Option("llama3-8b,mixtral-8x7b,qwen3-30b-a3b", "--configs", help="shape-only configs timed on the device model"),
+          gpu_gbs: float = typer.Option(3350.0, "--gpu-gbs", help="GPU HBM bandwidth of the roofline baseline, GB/s")) -> None:
+    """Benchmark table: wall time vs export/eager, modelled tokens/s and bandwidth vs peak and rooflines."""
     try:
         from nhil.bench import run_bench
 
-        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output)
+        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()])
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command("quant-report")
+def quant_report(
+    model: str = typer.Option("llama", "--model", "-m"),
+    recipes: str = typer.Option("", help="comma-separated recipes (default: all of nhil.compiler.quantize.RECIPES)"),
+    tokens: int = typer.Option(16, help="greedy tokens per prompt"),
+    output: Path = typer.Option(Path("docs/quant-report"), "--output", "-o", help="writes <output>.md and <output>.json"),
+) -> None:
+    """Accuracy and footprint of every quantization recipe against the fp32 golden (slow on the real llama)."""
+    try:
+        from nhil.quant_report import run_quant_report
+
+        run_quant_report(model, [r for r in recipes.split(",") if r] or None, tokens, output)
     except NhilError as e:
         _fail(e)
 

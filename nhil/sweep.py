@@ -38,6 +38,8 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     cmd = [python, "-m", "nhil.cli", "verify", "-m", model, "-t", target, "--tokens", str(tokens), "--seed", str(seed), "--runs-dir", str(runs_dir)]
     if quant != "bf16":
         cmd += ["--quant", quant]
+    if row.get("device"):
+        cmd += ["--device", str(row["device"])]
     t0 = time.perf_counter()
     timed_out = False
     try:

@@ -26,11 +26,18 @@ package pim_fp_pkg;
                                                  input logic tie_away);
     /* verilator no_inline_task */
     int p, sh, shc, be;
-    logic [63:0] q, lowmask;
+    logic [63:0] q, lowmask, x;
     logic rnd, stk;
     longint bits;
+    // p = index of the leading one of m (a 6-level priority encoder)
     p = 0;
-    for (int i = 0; i < 64; i++) if (m[i]) p = i;
+    x = m;
+    if (x[63:32] != 32'd0) begin p = p + 32; x = x >> 32; end
+    if (x[31:16] != 16'd0) begin p = p + 16; x = x >> 16; end
+    if (x[15:8] != 8'd0) begin p = p + 8; x = x >> 8; end
+    if (x[7:4] != 4'd0) begin p = p + 4; x = x >> 4; end
+    if (x[3:2] != 2'd0) begin p = p + 2; x = x >> 2; end
+    if (x[1] != 1'b0) p = p + 1;
     // keep 24 significant bits, but never go below the subnormal LSB 2^-149
     sh = p - 23;
     if (sh < -149 - e) sh = -149 - e;

@@ -1,7 +1,9 @@
 // pim_sim_top: simulation harness top used by nhil's cocotb testbenches (not part of the
 // contract). It holds the channel under test (u_ch, ports forwarded unchanged) and the
 // datapath probe (u_probe) so one build serves both the RtlTarget and the datapath unit
-// tests. Parameters are passed through to pim_channel.
+// tests, and the file-driven command-stream driver (u_drv, pim_stream_drv): while the
+// driver is active it owns cmd_valid/cmd_data, otherwise the testbench drives them through
+// the forwarded ports. Parameters are passed through to pim_channel.
 `timescale 1ns / 1ps
 
 module pim_sim_top #(
@@ -28,6 +30,12 @@ module pim_sim_top #(
     output logic                err_o,
     input  logic                bd_clear,
     input  logic                bd_load,
+    // stream driver (see pim_stream_drv)
+    input  logic                drv_start,
+    input  logic [        31:0] drv_nbeats,
+    output logic                drv_done,
+    output logic [         1:0] drv_status,
+    output logic [        31:0] drv_nrd,
     // datapath probe (see pim_dp_probe)
     input  logic [        15:0] mul_a,
     input  logic [        15:0] mul_b,
@@ -43,6 +51,30 @@ module pim_sim_top #(
     output logic [        31:0] mac_dot,
     output logic [        31:0] mac_y
 );
+  logic drv_active, drv_valid, ch_cmd_valid;
+  logic [DW-1:0] drv_data, ch_cmd_data;
+  assign ch_cmd_valid = drv_active ? drv_valid : cmd_valid;
+  assign ch_cmd_data  = drv_active ? drv_data : cmd_data;
+
+  pim_stream_drv #(
+      .DW(DW)
+  ) u_drv (
+      .clk(clk),
+      .start(drv_start),
+      .nbeats(drv_nbeats),
+      .active(drv_active),
+      .done(drv_done),
+      .status(drv_status),
+      .nrd(drv_nrd),
+      .cmd_valid(drv_valid),
+      .cmd_data(drv_data),
+      .cmd_ready(cmd_ready),
+      .rd_valid(rd_valid),
+      .rd_ready(rd_ready),
+      .rd_data(rd_data),
+      .busy(busy_o)
+  );
+
   pim_channel #(
       .BANKS(BANKS),
       .ROWS(ROWS),
@@ -54,9 +86,9 @@ module pim_sim_top #(
   ) u_ch (
       .clk(clk),
       .rst_n(rst_n),
-      .cmd_valid(cmd_valid),
+      .cmd_valid(ch_cmd_valid),
       .cmd_ready(cmd_ready),
-      .cmd_data(cmd_data),
+      .cmd_data(ch_cmd_data),
       .rd_valid(rd_valid),
       .rd_ready(rd_ready),
       .rd_data(rd_data),

@@ -98,9 +98,11 @@ def test_decode_counts_and_graph_ir_shape(decode):
     assert tuple(g.output_node().args[0].meta["val"].shape) == (1, 1, 256)
 
 
-def test_unsupported_op_is_reported_not_approximated(monkeypatch):
-    model = get_model("llama-tiny").model
-    monkeypatch.setattr(model.model.layers[0].mlp, "act_fn", torch.nn.GELU())
+def test_unsupported_op_is_reported_not_approximated():
+    from nhil.models.llama import build_llama_tiny
+
+    model = build_llama_tiny().model  # a private copy: the registry's shared model stays untouched
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
     ep, _ = export_decode(model, 8)
     with pytest.raises(CompileError) as err:
         raise_graph(ep, "decode")

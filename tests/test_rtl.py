@@ -359,3 +359,52 @@ def test_icarus_runs_the_same_program_bit_identically():
         sim, rt, (o_sim, o_rtl) = _run_both(prog, t)
     assert first_difference(prog, sim, rt) is None
     assert all(_same(o_sim[0][k], o_rtl[0][k]) for k in o_sim[0])
+
+
+# ---------------------------------------------------------------------------- drivers, image formats, devices
+
+
+@pytest.mark.rtl
+@needs_tools
+def test_cocotb_driver_and_hex_images_match_the_default_sv_driver_and_binary_images(rtl):
+    """The two command-stream drivers and the two backdoor image formats give the same bits."""
+    prog = _gemv_program(seed=5)
+    _, rt_default, (_, o_default) = _run_both(prog, rtl)
+    with RtlTarget(driver="cocotb", image_format="hex") as t:
+        _, rt_slow, (_, o_slow) = _run_both(prog, t)
+        assert t.stats()["load"]["format"] == "hex" and t.stats()["driver"] == "cocotb"
+    assert rtl.stats()["load"]["format"] == "bin" and rtl.stats()["load"]["rows"] > 0
+    assert first_difference(prog, rt_default, rt_slow) is None
+    assert all(_same(o_default[0][k], o_slow[0][k]) for k in o_default[0])
+    for img in prog.bank_images[:3]:  # the backdoor put every image row where it belongs
+        if img.data is not None:
+            for bk in (0, DEV.banks - 1):
+                assert np.array_equal(rtl.read_row(0, bk, img.row), img.data[0, bk])
+
+
+def test_device_option_from_the_cli_and_environment(monkeypatch):
+    t = RtlTarget(device="rtl-aim1", waves="0", keep_run="false", timeout="30")  # -O values arrive as strings
+    assert t.capabilities().device == DEVICE_PRESETS["rtl-aim1"] and not t.waves and not t.keep_run and t.timeout == 30.0
+    monkeypatch.setenv("NHIL_RTL_DEVICE", "rtl-aim1")
+    assert RtlTarget().capabilities().device.name == "rtl-aim1"
+    assert RtlTarget(device="rtl-tiny").capabilities().device.name == "rtl-tiny"
+    with pytest.raises(SetupError, match="unknown device preset"):
+        RtlTarget(device="no-such-device")
+    with pytest.raises(SetupError, match="image_format"):
+        RtlTarget(image_format="srec")
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.nightly  # not marked rtl, so `pytest -m rtl` stays fast; `pytest -m nightly` runs it
+@needs_tools
+def test_real_smollm2_on_rtl_aim1_prefill_and_two_tokens_bit_identical(tmp_path):
+    """SmolLM2-135M on one AiM channel (rtl-aim1): prompt + 2 decoded tokens, RTL == simulator
+    at every SYNC and tokens equal the golden (about 8-10 minutes on 2 CPUs)."""
+    from nhil.verify import VerifyOptions, verify
+
+    rep = verify(VerifyOptions(model="llama", target="rtl", tokens=2, target_options={"device": "rtl-aim1"}, runs_dir=str(tmp_path)))
+    assert rep["outcome"] == "PASS", rep.get("error") or rep.get("checks")
+    ls = rep["target_stats"]["lockstep"]
+    assert ls["first_mismatch"] is None and ls["syncs_compared"] > 0
+    assert rep["target_stats"]["device"] == "rtl-aim1"

@@ -24,7 +24,7 @@ import numpy as np
 
 from nhil.errors import CompileError
 from nhil.isa.device import DeviceConfig
-from nhil.isa.instr import ALL_CH, NO_OPERAND, OPINFO, Instr, Op
+from nhil.isa.instr import ALL_CH, CFR_W_FMT, NO_OPERAND, OPINFO, Instr, Op
 from nhil.isa.program import BankImage, HostOp, Operand, Program
 from nhil.numerics.bf16 import f32_to_bf16_bits
 
@@ -47,6 +47,9 @@ class MatrixPlacement:
     n_in: int
     chunk: int
     rows: list[list[int]]
+    fmt: str = "bf16"
+    fmt_code: int = 0
+    nbytes: int = 0  # stored weight bytes (format headers/scales included)
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -70,6 +73,8 @@ class ProgramBuilder:
         self._gb: tuple | None = None  # (buffer, offset, count) currently in every channel's GB at col 0
         self.placements: dict[str, MatrixPlacement] = {}
         self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
+        self._wfmt = 0  # CFR W_FMT value in effect (0 = bf16, the reset value)
+        self._want_wfmt = 0  # W_FMT the next MAC needs (gemv of a quantized matrix sets it)
 
     # ------------------------------------------------------------ tables
     def buffer(self, name: str, size: int) -> str:
@@ -96,7 +101,14 @@ class ProgramBuilder:
             self._pending_reads.add(self.operands[operand].buffer)
         if op is Op.WR_GB:
             self._gb = None
+        if (op is Op.MAC_AB or op is Op.MAC_SB) and self._want_wfmt != self._wfmt:
+            self.set_wfmt(self._want_wfmt)
         self.instrs.append(Instr(op, flags | (ALL_CH if all_ch else 0), ch, bank, row, col, n, operand, k, imm))
+
+    def set_wfmt(self, code: int) -> None:
+        """SET_CFR W_FMT (all channels): the format MACs read weight rows in. bf16-only programs never emit it."""
+        self.instrs.append(Instr(Op.SET_CFR, ALL_CH, k=CFR_W_FMT, imm=int(code)))
+        self._wfmt = int(code)
 
     def sync(self) -> None:
         """Append a SYNC: readbacks before it reach the host before anything after it is issued."""
@@ -132,10 +144,21 @@ class ProgramBuilder:
         return start
 
     # ------------------------------------------------------------ GEMV
-    def place_matrix(self, name: str, w) -> MatrixPlacement:
-        """Store ``w`` (fp32 [n_out, n_in], torch or numpy) in banks as bf16; idempotent per ``name``."""
+    def place_matrix(self, name: str, w, qt=None) -> MatrixPlacement:
+        """Store ``w`` (fp32 [n_out, n_in], torch or numpy) in banks; idempotent per ``name``.
+
+        Without ``qt`` the rows hold bf16 (RNE from fp32), as in ISA v0. With ``qt`` (a
+        :class:`nhil.numerics.formats.QTensor` of the same shape) each (row-group, chunk)
+        row holds, for its output row, the format's packed bytes of the chunk
+        (``QTensor.pack``: header, then block records), from byte 0 of the row; the MACs
+        of :meth:`gemv` then run with CFR ``W_FMT`` = the format's code.
+        """
         if name in self.placements:
             return self.placements[name]
+        if qt is not None:
+            return self._place_quantized(name, qt)
+        if getattr(w, "is_meta", False):  # shape-only compilation (nhil.compiler.shape_only)
+            return self._place_shape_only(name, *w.shape)
         w = to_f32(w)
         n_out, n_in = w.shape
         d = self.d
@@ -155,7 +178,57 @@ class ProgramBuilder:
                 self.bank_images.append(BankImage(r, img.reshape(d.channels, d.banks, d.cols)))
                 rg.append(r)
             rows.append(rg)
-        p = MatrixPlacement(name, n_out, n_in, chunk, rows)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows, nbytes=2 * n_out * n_in)
+        self.placements[name] = p
+        return p
+
+    def _place_shape_only(self, name: str, n_out: int, n_in: int) -> MatrixPlacement:
+        """Hook for shape-only compilation: :meth:`place_matrix`'s bf16 placement without bank images.
+
+        Rows are allocated exactly as for real weights; ``row_use[row]`` records the used
+        (slots, elements) rectangle of each row, for the timing model's useful-byte counts.
+        """
+        d = self.d
+        chunk = min(d.cols, d.gb_elems)
+        row_use = self.__dict__.setdefault("row_use", {})
+        rows = []
+        for g in range(math.ceil(n_out / d.slots)):
+            rg = []
+            for j in range(math.ceil(n_in / chunk)):
+                r = self.alloc_rows(1, zero=False)
+                row_use[r] = (min(d.slots, n_out - g * d.slots), min(chunk, n_in - j * chunk))
+                rg.append(r)
+            rows.append(rg)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows, nbytes=2 * n_out * n_in)
+        self.placements[name] = p
+        return p
+
+    def _place_quantized(self, name: str, qt) -> MatrixPlacement:
+        fmt = qt.fmt
+        n_out, n_in = qt.shape
+        d = self.d
+        chunk = min(d.cols, d.gb_elems)
+        blk = fmt.block or n_in
+        if n_in > chunk and chunk % blk:
+            raise CompileError(f"{name}: {fmt.name} blocks of {blk} do not divide the device chunk of {chunk} elements (device {d.name})")
+        groups = math.ceil(n_out / d.slots)
+        nch = math.ceil(n_in / chunk)
+        rows: list[list[int]] = []
+        for j in range(nch):
+            i0, i1 = j * chunk, min(n_in, (j + 1) * chunk)
+            packed = qt.pack(i0, i1)  # uint8 [n_out, nbytes]
+            if packed.shape[1] > d.row_bytes:
+                raise CompileError(f"{name}: {packed.shape[1]} bytes of {fmt.name} per chunk exceed a {d.row_bytes}-byte row")
+            for g in range(groups):
+                o0, o1 = g * d.slots, min(n_out, (g + 1) * d.slots)
+                if j == 0:
+                    rows.append([])
+                r = self.alloc_rows(1, zero=False)
+                img = np.zeros((d.slots, d.row_bytes), np.uint8)
+                img[: o1 - o0, : packed.shape[1]] = packed[o0:o1]
+                self.bank_images.append(BankImage(r, img.view("<u2").astype(np.uint16).reshape(d.channels, d.banks, d.cols)))
+                rows[g].append(r)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows, fmt=fmt.name, fmt_code=fmt.code, nbytes=qt.nbytes)
         self.placements[name] = p
         return p
 
@@ -177,6 +250,7 @@ class ProgramBuilder:
         d = self.d
         chunks = p.chunks
         groups = list(range(len(p.rows)))
+        self._want_wfmt = p.fmt_code
         for b0 in range(0, len(groups), d.accumulators):
             batch = groups[b0 : b0 + d.accumulators]
             for k, g in enumerate(batch):
@@ -188,10 +262,13 @@ class ProgramBuilder:
             for k, g in enumerate(batch):
                 cnt = min(d.slots, p.n_out - g * d.slots)
                 self.emit(Op.RD_ACC, k=k, col=0, n=cnt, operand=self.operand(y, y_off + g * d.slots, cnt))
+        self._want_wfmt = 0
 
     # ------------------------------------------------------------ finish
     def finish(self, io: dict, info: dict) -> Program:
         """Close the stream with SYNC + EOC and return the validated Program."""
+        if self._wfmt != 0:
+            self.set_wfmt(0)  # every step starts with W_FMT = bf16, as after load
         if not self.instrs or self.instrs[-1].op is not Op.SYNC:
             self.sync()
         self.instrs.append(Instr(Op.EOC))

@@ -20,7 +20,7 @@ import re
 import torch
 
 from nhil.compiler.builder import ProgramBuilder
-from nhil.compiler.lower_attention import lower_decode_attention, place_kv
+from nhil.compiler.lower_attention import lower_bias, lower_decode_attention, place_kv
 from nhil.errors import CompileError
 from nhil.isa.device import DeviceConfig
 from nhil.isa.program import Program
@@ -43,7 +43,7 @@ def _where(node) -> str:
     return f"{path} ({src})"
 
 
-def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_name: str = "?", weight_format: str = "bf16") -> Program:
+def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_name: str = "?", weight_format: str = "bf16", quant=None) -> Program:
     """Lower a raised decode-step graph (one token, static KV cache) to a Program.
 
     Args:
@@ -51,13 +51,17 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
         device: the device to compile for (``nhil.isa.DEVICE_PRESETS``).
         model_name: recorded in ``program.info``.
         weight_format: storage format of PIM weights (``bf16`` in ISA v0).
+        quant: optional :class:`nhil.compiler.quantize.QuantPlan`: gives each linear's
+            weight (by its graph constant name) a format (``QTensor``) or ``None`` (bf16).
+            Only ``linear`` lowering reads it; the program's ``info["weight_formats"]``
+            then lists every format used.
     Returns:
         The validated Program; ``io["outputs"]`` maps ``logits`` and ``act.<module>`` to buffers.
     Raises:
         CompileError: an op without a lowering (names op, module path, source line), or
             the model does not fit the device.
     """
-    if weight_format != "bf16":
+    if weight_format != "bf16" and quant is None:
         raise CompileError(f"weight format {weight_format!r} is not supported by ISA v0 lowering (bf16 only); see the quantization issue")
     b = ProgramBuilder(device)
     buf: dict[str, str] = {}  # node name -> host buffer / image / "$input"
@@ -67,6 +71,9 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     outputs: dict[str, str] = {}
     layer_out: dict[int, str] = {}
     linear_count = attn_count = 0
+    formats_used: dict[str, int] = {}
+    weight_bytes = 0
+    moe_info: list[dict] = []
 
     def arg_buf(a) -> str:
         if a.name not in buf:
@@ -113,24 +120,31 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
         out = node.name
         path = node.meta.get("nn_module_stack_path", "")
         if op == "embedding":
-            table, ids = node.args
+            table, ids = node.args[:2]
             b.host_image(const_name(table), consts[table.name])
             b.buffer(out, _numel(node))
-            b.host("embedding", [const_name(table), arg_buf(ids)], [out])
+            emb_attrs = {"scale": float(node.args[2])} if len(node.args) > 2 and node.args[2] is not None else {}
+            b.host("embedding", [const_name(table), arg_buf(ids)], [out], **emb_attrs)
             outputs["act.model.embed_tokens"] = out
         elif op == "rms_norm":
-            x, w, eps = node.args
+            x, w, eps = node.args[:3]
             b.host_image(const_name(w), consts[w.name])
             b.buffer(out, _numel(node))
-            b.host("rms_norm", [arg_buf(x), const_name(w)], [out], eps=float(eps))
+            norm_attrs = dict(zip(("head_dim", "unit_offset"), node.args[3:]))  # QK-norm per head, Gemma (1+w)
+            b.host("rms_norm", [arg_buf(x), const_name(w)], [out], eps=float(eps), **norm_attrs)
         elif op == "linear":
             x, w = node.args[0], node.args[1]
             bias = node.args[2] if len(node.args) > 2 else None
-            if bias is not None:
-                raise CompileError(f"linear with bias at {_where(node)} is not supported by ISA v0 lowering")
-            p = b.place_matrix(const_name(w), consts[w.name])
+            qt = quant.weight(const_name(w), consts[w.name]) if quant is not None else None
+            new = const_name(w) not in b.placements
+            p = b.place_matrix(const_name(w), consts[w.name], qt=qt)
+            if new:
+                formats_used[p.fmt] = formats_used.get(p.fmt, 0) + 1
+                weight_bytes += p.nbytes
             b.buffer(out, _numel(node))
-            b.gemv(p, arg_buf(x), out)
+            b.gemv(p, arg_buf(x), out if bias is None else f"{out}.acc")
+            if bias is not None:  # bias added on the host (fp32) after RD_ACC: lower_attention.lower_bias
+                lower_bias(b, f"{out}.acc", const_name(bias), consts[bias.name], out, _numel(node))
             linear_count += 1
         elif op == "rope_cos_sin":
             pos, inv_freq, scaling = node.args
@@ -142,18 +156,32 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             buf[node.name] = out
             continue
         elif op == "rope":
-            x, cos, sin, hd = node.args
+            x, cos, sin, hd = node.args[:4]
             b.buffer(out, _numel(node))
-            b.host("rope", [arg_buf(x), arg_buf(cos), arg_buf(sin)], [out], head_dim=int(hd))
+            rope_attrs = {"rotary_dim": int(node.args[4])} if len(node.args) > 4 and node.args[4] is not None else {}
+            b.host("rope", [arg_buf(x), arg_buf(cos), arg_buf(sin)], [out], head_dim=int(hd), **rope_attrs)
         elif op == "attention_kv":
-            q, k, v, kc, vc, cpos, hq, hkv, scale = node.args
+            q, k, v, kc, vc, cpos, hq, hkv, scale = node.args[:9]
+            window, softcap = (list(node.args[9:]) + [None, None])[:2]
             kshape = consts[kc.name].shape  # [B, Hkv, L, hd]
             layer = attn_count
             attn_count += 1
             kv = place_kv(b, layer, int(kshape[2]), int(hkv), int(kshape[3]))
             kv_layouts[layer] = kv
             b.buffer(out, _numel(node))
-            lower_decode_attention(b, kv, arg_buf(q), arg_buf(k), arg_buf(v), out, int(hq), float(scale), name=f"attn{layer}")
+            lower_decode_attention(b, kv, arg_buf(q), arg_buf(k), arg_buf(v), out, int(hq), float(scale), name=f"attn{layer}", window=window, softcap=softcap)
+        elif op == "narrow":  # split of a fused projection (host copy of a buffer slice)
+            x, start, length = node.args
+            b.buffer(out, _numel(node))
+            b.host("narrow", [arg_buf(x)], [out], start=int(start), length=int(length))
+        elif op == "gelu_mul":  # GeGLU gating on the host
+            g, u = node.args[:2]
+            b.buffer(out, _numel(node))
+            b.host("gelu_mul", [arg_buf(g), arg_buf(u)], [out], approximate=str(node.args[2]) if len(node.args) > 2 else "tanh")
+        elif op == "softcap":  # final-logit soft-cap on the host
+            x, cap = node.args
+            b.buffer(out, _numel(node))
+            b.host("softcap", [arg_buf(x)], [out], cap=float(cap))
         elif op == "silu_mul":
             g, u = node.args
             b.buffer(out, _numel(node))
@@ -165,6 +193,18 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             m = re.search(r"(?:^|\.)layers\.(\d+)$", path)
             if m:
                 layer_out[int(m.group(1))] = out
+        elif op == "moe":  # router GEMV on PIM, routing on the host, only routed experts issued (lower_moe)
+            from nhil.compiler.lower_moe import lower_moe
+
+            x, rw, gu, dw, n_exp, top_k = node.args[:6]
+            moe_attrs = dict(zip(("score_func", "norm_topk_prob", "act"), node.args[6:]))
+            if moe_attrs.get("act", "silu") != "silu" or _numel(node) != _numel(x):
+                raise CompileError(f"no lowering for this nhil::moe (act {moe_attrs.get('act')}) at {_where(node)}")
+            moe_info.append(lower_moe(
+                b, arg_buf(x), out,
+                {"router": (const_name(rw), consts[rw.name]), "gate_up": (const_name(gu), consts[gu.name]), "down": (const_name(dw), consts[dw.name])},
+                {"num_experts": n_exp, "top_k": top_k, "score_func": moe_attrs.get("score_func", "softmax"), "norm_topk_prob": moe_attrs.get("norm_topk_prob", True)},
+                layer=len(moe_info)))
         else:
             raise CompileError(f"no lowering for nhil::{op} at {_where(node)}")
         buf[node.name] = out
@@ -183,4 +223,11 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
         "rows_used": b.next_row,
         "kv_layout": {str(k): vars(v) for k, v in kv_layouts.items()},
     }
+    if moe_info:
+        info["moe"] = moe_info  # data-dependent expert dispatch (lower_moe; docs/isa.md runtime section)
+    if quant is not None:
+        info["linear_sizes"] = [p.n_out * p.n_in for p in b.placements.values()]
+        info["weight_formats"] = sorted(formats_used)
+        info["quant"] = {"recipe": quant.describe(), "matrices_per_format": formats_used, "weight_bytes": weight_bytes,
+                         "placements": {n: {"format": p.fmt, "chunk": p.chunk, "rows": p.rows} for n, p in b.placements.items()}}
     return b.finish(io, info)

@@ -64,11 +64,26 @@ def place_kv(b: ProgramBuilder, layer: int, max_len: int, kv_heads: int, head_di
     return KvLayout(layer, k_base, k_rows, v_base, rl, groups, max_len, kv_heads, head_dim)
 
 
-def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: str, out: str, num_heads: int, scale: float, name: str) -> None:
+def lower_bias(b: ProgramBuilder, acc: str, bias_name: str, bias, out: str, n: int) -> None:
+    """Linear bias: ``out = acc + bias`` as a host kernel after the GEMV's RD_ACC (fp32).
+
+    Chosen over preloading the accumulators with WR_ACC because the GEMV emitter
+    (``ProgramBuilder.gemv``) zeroes its accumulators itself and is shared with the
+    quantized-weight lowering; a host add of one vector per biased projection is cheap.
+    """
+    b.buffer(acc, n)
+    b.host_image(bias_name, bias)
+    b.host("add", [acc, bias_name], [out])
+
+
+def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: str, out: str, num_heads: int, scale: float, name: str,
+                           window: int | None = None, softcap: float | None = None) -> None:
     """Emit KV append, q·Kᵀ (PIM), masked softmax (host), p·V (PIM) for one decode token.
 
     Buffers: ``q`` [num_heads*hd], ``k``/``v`` [kv_heads*hd] (k already RoPE'd), ``out``
     [num_heads*hd] (heads concatenated). ``name`` prefixes the scratch buffers.
+    ``window`` (sliding window W: keys ``pos-W < j <= pos``) and ``softcap`` (logit
+    soft-cap ``c*tanh(s/c)``) are attributes of the host softmax; the PIM part is the same.
     """
     d = b.d
     hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
@@ -96,7 +111,12 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
             b.emit(Op.RD_ACC, k=a, n=cnt, operand=b.operand(scores, j * L + r * S, cnt))
     # -- softmax on the host
     probs = b.buffer(f"{name}.probs", num_heads * L)
-    b.host("masked_softmax", [scores, "$pos"], [probs], num_heads=num_heads, max_len=L, scale=float(scale))
+    extra = {}
+    if window is not None:
+        extra["window"] = int(window)
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    b.host("masked_softmax", [scores, "$pos"], [probs], num_heads=num_heads, max_len=L, scale=float(scale), **extra)
     b.invalidate_gb()
     # -- out_j = p_j · Vᵀ rows of head j's slots
     jobs = []

@@ -20,11 +20,14 @@ import torch.nn.functional as F
 LIB = torch.library.Library("nhil", "DEF")  # noqa: the library object must stay alive
 
 _SCHEMAS = {
-    "embedding": "embedding(Tensor table, Tensor ids) -> Tensor",
-    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "embedding": "embedding(Tensor table, Tensor ids, float? scale=None) -> Tensor",
+    "gelu_mul": "gelu_mul(Tensor gate, Tensor up, str approximate='tanh') -> Tensor",
+    "softcap": "softcap(Tensor x, float cap) -> Tensor",
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, int? head_dim=None, bool unit_offset=False) -> Tensor",
     "linear": "linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "rope_cos_sin": "rope_cos_sin(Tensor position_ids, Tensor inv_freq, float attention_scaling) -> (Tensor, Tensor)",
-    "rope": "rope(Tensor x, Tensor cos, Tensor sin, int head_dim) -> Tensor",
+    "rope": "rope(Tensor x, Tensor cos, Tensor sin, int head_dim, int? rotary_dim=None) -> Tensor",
+    "narrow": "narrow(Tensor x, int start, int length) -> Tensor",
     "attention_kv": (
         "attention_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor cache_position, int num_heads, int num_kv_heads, float scale, int? window=None, "
@@ -36,6 +39,10 @@ _SCHEMAS = {
     ),
     "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
     "add": "add(Tensor a, Tensor b) -> Tensor",
+    "moe": (
+        "moe(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int num_experts, int top_k, "
+        "str score_func='softmax', bool norm_topk_prob=True, str act='silu') -> Tensor"
+    ),
 }
 for _schema in _SCHEMAS.values():
     LIB.define(_schema)
@@ -59,23 +66,56 @@ def _fake(name):
 
 
 @_impl("embedding")
-def embedding_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Row gather: table [V,H] fp32, ids [B,S] int64 -> [B,S,H]. Source: nn.Embedding (aten.embedding)."""
-    return F.embedding(ids, table)
+def embedding_ref(table: torch.Tensor, ids: torch.Tensor, scale=None) -> torch.Tensor:
+    """Row gather: table [V,H] fp32, ids [B,S] int64 -> [B,S,H]. Source: nn.Embedding (aten.embedding).
+
+    ``scale``: Gemma's ``embed * embed_scale`` with the scale as an fp32 0-d tensor
+    (modeling_gemma2.Gemma2TextScaledWordEmbedding: ``embed_scale.to(weight.dtype)``).
+    """
+    out = F.embedding(ids, table)
+    if scale is not None:
+        out = out * torch.tensor(scale, dtype=table.dtype)
+    return out
+
+
+@_impl("gelu_mul")
+def gelu_mul_ref(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU gating ``gelu(gate, approximate) * up`` (Gemma ``gelu_pytorch_tanh``;
+    modeling_gemma2.Gemma2MLP: ``act_fn(gate_proj(x)) * up_proj(x)``); gate/up [B,S,I]."""
+    return F.gelu(gate, approximate=approximate) * up
+
+
+@_impl("softcap")
+def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Final-logit soft-capping ``tanh(x / cap) * cap`` (modeling_gemma2.Gemma2ForCausalLM)."""
+    return torch.tanh(x / cap) * cap
 
 
 @_impl("rms_norm")
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm: x [B,S,H], weight [H] -> [B,S,H].
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim=None, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim: x [B,S,H], weight [H] -> [B,S,H].
 
-    ``weight * (x32 * rsqrt(mean(x32**2, -1) + eps)).to(x.dtype)`` with x32 = x in fp32
-    (modeling_llama.LlamaRMSNorm.forward, same op order).
+    Default (LlamaRMSNorm; also Mistral/Qwen2/Qwen3/OLMo-2/Phi-3, whose fp32 cast order
+    differs only by identity casts in fp32):
+    ``weight * (x32 * rsqrt(mean(x32**2, -1) + eps)).to(x.dtype)``, x32 = x in fp32.
+
+    ``head_dim`` d: per-head QK-norm (Qwen3/Gemma3 ``q_norm``/``k_norm``): x is the flat
+    [B,S,nh*d] projection, normalised over each head's d elements with weight [d].
+    ``unit_offset``: the Gemma "(1+w)" form, ``(h * (1.0 + weight.float())).to(dtype)``
+    with h the normalised fp32 input (modeling_gemma2.Gemma2RMSNorm).
     """
+    shape = x.shape
+    if head_dim is not None:
+        x = x.view(*shape[:-1], -1, head_dim)
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(input_dtype)
+    if unit_offset:
+        out = (h * (1.0 + weight.float())).to(input_dtype)
+    else:
+        out = weight * h.to(input_dtype)
+    return out.reshape(shape) if head_dim is not None else out
 
 
 @_impl("linear")
@@ -125,14 +165,29 @@ def _apply_rope(xh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @_impl("rope")
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rotate-half RoPE per head: x [B,S,nh*hd], cos/sin [B,S,hd] -> [B,S,nh*hd] (same layout).
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim=None) -> torch.Tensor:
+    """Rotate-half RoPE per head: x [B,S,nh*hd], cos/sin [B,S,rd] -> [B,S,nh*hd] (same layout).
 
-    ``x*cos + rotate_half(x)*sin`` per head (modeling_llama.apply_rotary_pos_emb).
+    ``x*cos + rotate_half(x)*sin`` per head (modeling_llama.apply_rotary_pos_emb). With
+    ``rotary_dim`` rd < hd (partial rotary, Phi-3 ``partial_rotary_factor``): only the
+    first rd elements of each head rotate, the rest pass through
+    (modeling_phi3.apply_rotary_pos_emb: slice, rotate, cat).
     """
     b, s, _ = x.shape
-    out = _apply_rope(_heads(x, head_dim), cos, sin)
+    xh = _heads(x, head_dim)
+    if rotary_dim is None:
+        out = _apply_rope(xh, cos, sin)
+    else:
+        x_rot, x_pass = xh[..., :rotary_dim], xh[..., rotary_dim:]
+        out = torch.cat([_apply_rope(x_rot, cos, sin), x_pass], dim=-1)
     return out.transpose(1, 2).reshape(b, s, -1).contiguous()
+
+
+@_impl("narrow")
+def narrow_ref(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Feature slice ``x[..., start:start+length]`` (a copy): splits fused projections
+    (Phi-3 ``qkv_proj`` / ``gate_up_proj``; aten.slice / aten.chunk in the export)."""
+    return x[..., start : start + length].clone()
 
 
 def _repeat_kv(xh: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -246,16 +301,90 @@ def add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
+MOE_SCORE_FUNCS = ("softmax",)
+MOE_ACTS = ("silu",)
+
+
+def moe_routing(logits: torch.Tensor, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True):
+    """Routing rule of :func:`moe_ref`: router logits [T,E] fp32 -> (weights [T,k] fp32, expert ids [T,k] int64).
+
+    ``softmax`` (fp32) -> ``topk(k)`` (largest, sorted; ties resolved as torch.topk on CPU
+    does, which is *not* lowest index first: all-equal [1,4] scores select experts 2, 3) -> with ``norm_topk_prob`` the in-place renormalisation
+    ``w /= w.sum(-1, keepdim=True)``. Source: modeling_mixtral.MixtralTopKRouter.forward,
+    modeling_qwen3_moe.Qwen3MoeTopKRouter.forward (transformers 5.24). Shared by the
+    reference kernel and the ``moe_route`` host kernel so both route identically.
+    """
+    if score_func not in MOE_SCORE_FUNCS:
+        raise ValueError(f"moe score function {score_func!r} is not supported ({', '.join(MOE_SCORE_FUNCS)})")
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(probs, top_k)
+    if norm_topk_prob:
+        w /= w.sum(dim=-1, keepdim=True)
+    return w, ids
+
+
+def moe_expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-slot expert SwiGLU of ``integrations/moe.batched_mm_experts_forward``: x [S,H] (token of
+    each slot), gate_up [E,2I,H], down [E,H,I], ids [S] -> [S,H]
+    (``bmm(gate_up[ids], x[...,None])`` -> chunk -> ``silu(g)*u`` -> ``bmm(down[ids], ·)``)."""
+    gu = torch.bmm(gate_up[ids], x.unsqueeze(-1)).squeeze(-1)
+    g, u = gu.chunk(2, dim=-1)
+    a = F.silu(g) * u
+    return torch.bmm(down[ids], a.unsqueeze(-1)).squeeze(-1)
+
+
+@_impl("moe")
+def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, act: str = "silu"):
+    """Sparse MoE block (routed experts only): x [B,S,H] fp32 -> [B,S,H].
+
+    router_weight [E,H]; gate_up_proj [E,2I,H] (gate rows first, then up rows);
+    down_proj [E,H,I]. Routing: :func:`moe_routing` over ``F.linear(x, router_weight)``.
+    Each token's k selected experts run the SwiGLU FFN (:func:`moe_expert_ffn`), are scaled
+    by their routing weight and summed in slot order (``view(T,k,H).sum(1)``).
+    Same torch ops in the same order as transformers 5.24 with
+    ``experts_implementation="batched_mm"`` (modeling_mixtral.MixtralSparseMoeBlock /
+    Qwen3MoeSparseMoeBlock, integrations/moe.batched_mm_experts_forward), so the exported
+    region raises bit-exactly.
+
+    Raises:
+        ValueError: unsupported score function / activation, or inconsistent shapes.
+    """
+    if act not in MOE_ACTS:
+        raise ValueError(f"moe activation {act!r} is not supported ({', '.join(MOE_ACTS)})")
+    b, s, h = x.shape
+    e = router_weight.shape[0]
+    if e != num_experts or gate_up_proj.shape[0] != e or down_proj.shape[0] != e or gate_up_proj.shape[2] != h or down_proj.shape[1] != h or not 0 < top_k <= e:
+        raise ValueError(f"inconsistent moe shapes: x {tuple(x.shape)}, router {tuple(router_weight.shape)}, gate_up {tuple(gate_up_proj.shape)}, down {tuple(down_proj.shape)}, E={num_experts}, k={top_k}")
+    hs = x.view(-1, h)
+    logits = F.linear(hs.reshape(-1, h), router_weight)
+    w, ids = moe_routing(logits, top_k, score_func, norm_topk_prob)
+    xs = hs.repeat_interleave(top_k, dim=0)
+    y = moe_expert_ffn(xs, gate_up_proj, down_proj, ids.reshape(-1))
+    y = y * w.reshape(-1).unsqueeze(-1)
+    out = y.view(-1, top_k, h).sum(dim=1)
+    return out.reshape(b, s, h)
+
+
 # ---------------------------------------------------------------- fake kernels
 
 
 @_fake("embedding")
-def _embedding_fake(table, ids):
+def _embedding_fake(table, ids, scale=None):
     return table.new_empty((*ids.shape, table.shape[1]))
 
 
+@_fake("gelu_mul")
+def _gelu_mul_fake(gate, up, approximate="tanh"):
+    return torch.empty_like(gate)
+
+
+@_fake("softcap")
+def _softcap_fake(x, cap):
+    return torch.empty_like(x)
+
+
 @_fake("rms_norm")
-def _rms_norm_fake(x, weight, eps):
+def _rms_norm_fake(x, weight, eps, head_dim=None, unit_offset=False):
     return torch.empty_like(x, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
@@ -272,8 +401,13 @@ def _rope_cos_sin_fake(position_ids, inv_freq, attention_scaling):
 
 
 @_fake("rope")
-def _rope_fake(x, cos, sin, head_dim):
+def _rope_fake(x, cos, sin, head_dim, rotary_dim=None):
     return torch.empty_like(x)
+
+
+@_fake("narrow")
+def _narrow_fake(x, start, length):
+    return x.new_empty((*x.shape[:-1], length))
 
 
 @_fake("attention_kv")
@@ -294,3 +428,8 @@ def _silu_mul_fake(gate, up):
 @_fake("add")
 def _add_fake(a, b):
     return torch.empty_like(a)
+
+
+@_fake("moe")
+def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu"):
+    return torch.empty_like(x)

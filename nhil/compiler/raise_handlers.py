@@ -171,12 +171,35 @@ RMS_NORM = [
 ]
 
 
+RMS_NORM_UNIT_OFFSET = RMS_NORM[:5] + [
+    ("w1", aten.add.Tensor, (V("w"), 1.0), None),
+    ("out", aten.mul.Tensor, (V("mul"), V("w1")), None),
+]
+
+
 def h_rms_norm(ctx: Ctx) -> None:
-    """LlamaRMSNorm (the fp32 casts are identities for fp32 models and were removed)."""
-    b = ctx.match([RMS_NORM])
+    """RMSNorm -> nhil.rms_norm (the fp32 casts are identities for fp32 models and were removed).
+
+    Llama form ``w * norm(x)`` or Gemma form ``norm(x) * (1 + w)`` (``unit_offset``). When
+    the input is a per-head view of a projection (Marker 'heads', QK-norm of Qwen3 /
+    Gemma3), the primitive normalises each head of the flat projection (``head_dim``).
+    """
+    i, b = match_any([RMS_NORM, RMS_NORM_UNIT_OFFSET], ctx.nodes, ctx.r.canon)
     if _val(b["x"]).dtype != torch.float32 or not isinstance(b["eps"], float):
         raise Mismatch(ctx.nodes[0], "RMSNorm input must be fp32 with a float eps")
-    ctx.set(b["out"], ctx.emit(nhil.rms_norm.default, ctx.tensor(b["x"]), ctx.param(b["w"]), b["eps"]))
+    w = ctx.param(b["w"])
+    if _val(b["w"]).dim() != 1 or _val(b["w"]).shape[0] != _val(b["x"]).shape[-1]:
+        raise Mismatch(ctx.nodes[0], "RMSNorm weight must be 1-D over the normalised dim")
+    xv = ctx.value(b["x"])
+    extra: tuple = ()
+    if isinstance(xv, Marker) and xv.kind == "heads":
+        x, hd = xv.data
+        extra = (hd,)
+    else:
+        x = ctx.tensor(b["x"])
+    if i == 1:
+        extra = (extra[0] if extra else None, True)
+    ctx.set(b["out"], ctx.emit(nhil.rms_norm.default, x, w, b["eps"], *extra))
 
 
 ROPE_COS_SIN = [
@@ -207,25 +230,103 @@ def h_rotary(ctx: Ctx) -> None:
 
 
 def h_act(ctx: Ctx) -> None:
-    """SiLUActivation -> Marker('silu') consumed by the MLP's gating multiply."""
-    b = ctx.match([_one(aten.silu.default, (V("g"),))])
-    ctx.set(b["out"], Marker("silu", ctx.tensor(b["g"])))
+    """SiLUActivation / GELUTanh -> Marker('silu' / 'gelu_tanh') consumed by the MLP's gating multiply."""
+    i, b = match_any([_one(aten.silu.default, (V("g"),)), _one(aten.gelu.default, (V("g"),), kwargs={"approximate": "tanh"})], ctx.nodes, ctx.r.canon)
+    gv = ctx.value(b["g"])
+    if isinstance(gv, Marker) and gv.kind == "moe_gate":  # the experts' act_fn inside a MoE block
+        if i != 0:
+            raise Mismatch(ctx.nodes[0], "MoE experts: only the SiLU (SwiGLU) activation is supported")
+        ctx.set(b["out"], Marker("moe_act", gv.data))
+        return
+    ctx.set(b["out"], Marker(("silu", "gelu_tanh")[i], ctx.tensor(b["g"])))
+
+
+MLP_CHUNK = [
+    ("chunk", aten.chunk.default, (V("x"), 2, -1), None),
+    ("gate", operator.getitem, (V("chunk"), 0), None),
+    ("up", operator.getitem, (V("chunk"), 1), None),
+]
 
 
 def h_mlp(ctx: Ctx) -> None:
-    """LlamaMLP body ``act_fn(gate) * up`` -> nhil.silu_mul (projections are Linear regions)."""
+    """MLP body ``act_fn(gate) * up`` (either operand order) -> nhil.silu_mul / nhil.gelu_mul
+    (projections are Linear regions). Also the split of a fused ``gate_up_proj``
+    (Phi-3: ``chunk(2, -1)``) -> two nhil.narrow."""
+    if ctx.nodes[0].target == aten.chunk.default:
+        b = ctx.match([MLP_CHUNK])
+        x = ctx.tensor(b["x"])
+        n = _val(b["x"]).shape[-1]
+        if n % 2:
+            raise Mismatch(ctx.nodes[0], "fused gate_up width must be even")
+        ctx.set(b["gate"], ctx.emit(nhil.narrow.default, x, 0, n // 2))
+        ctx.set(b["up"], ctx.emit(nhil.narrow.default, x, n // 2, n // 2))
+        return
     b = ctx.match([_one(aten.mul.Tensor, (V("s"), V("u")))])
-    gate = ctx.marker(b["s"], "silu").data
-    ctx.set(b["out"], ctx.emit(nhil.silu_mul.default, gate, ctx.tensor(b["u"])))
+    sv, uv = ctx.value(b["s"]), ctx.value(b["u"])
+    if not isinstance(sv, Marker) and isinstance(uv, Marker):
+        sv, uv, b["u"] = uv, sv, b["s"]
+    if not isinstance(sv, Marker) or sv.kind not in ("silu", "gelu_tanh"):
+        raise Mismatch(ctx.nodes[0], f"input {b['s'].name} is not a silu / gelu_tanh activation")
+    up = ctx.tensor(b["u"])
+    if sv.kind == "silu":
+        ctx.set(b["out"], ctx.emit(nhil.silu_mul.default, sv.data, up))
+    else:
+        ctx.set(b["out"], ctx.emit(nhil.gelu_mul.default, sv.data, up, "tanh"))
+
+
+def h_dropout(ctx: Ctx) -> None:
+    """Dropout in eval mode (``train=False``) is the identity."""
+    b = ctx.match([_one(aten.dropout.default, (V("x"), V("p"), False))])
+    ctx.set(b["out"], ctx.value(b["x"]))
+
+
+SCALED_EMBEDDING = [
+    ("emb", aten.embedding.default, (V("table"), V("ids"), V("pad")), None),
+    ("out", aten.mul.Tensor, (V("emb"), V("scale")), None),
+]
+
+
+def h_scaled_embedding(ctx: Ctx) -> None:
+    """Gemma's ``embedding(ids) * embed_scale`` (embed_scale: a 0-d fp32 buffer) -> nhil.embedding(scale=)."""
+    b = ctx.match([SCALED_EMBEDDING])
+    sc = b["scale"]
+    if not (isinstance(sc, fx.Node) and sc.op == "placeholder" and sc.name in ctx.r.fqn):
+        raise Mismatch(ctx.nodes[-1], "embedding scale must be a buffer")
+    t = ctx.r.state_tensor(ctx.r.fqn[sc.name])
+    if t.dim() != 0 or t.dtype != torch.float32:
+        raise Mismatch(ctx.nodes[-1], "embedding scale must be a 0-d fp32 buffer")
+    ctx.set(b["out"], ctx.emit(nhil.embedding.default, ctx.param(b["table"]), ctx.tensor(b["ids"]), float(t)))
+
+
+FINAL_SOFTCAP = [
+    ("d", aten.div.Tensor, (V("x"), V("cap")), None),
+    ("t", aten.tanh.default, (V("d"),), None),
+    ("out", aten.mul.Tensor, (V("t"), V("cap")), None),
+]
+
+
+def h_causal_lm(ctx: Ctx) -> None:
+    """ForCausalLM tail: final-logit soft-capping ``tanh(logits / c) * c`` (Gemma 2) -> nhil.softcap."""
+    b = ctx.match([FINAL_SOFTCAP])
+    if not isinstance(b["cap"], float):
+        raise Mismatch(ctx.nodes[0], "soft-cap must be a float constant")
+    ctx.set(b["out"], ctx.emit(nhil.softcap.default, ctx.tensor(b["x"]), b["cap"]))
 
 
 def h_residual(ctx: Ctx) -> None:
-    """LlamaDecoderLayer residual ``residual + h`` -> nhil.add."""
-    b = ctx.match([_one(aten.add.Tensor, (V("a"), V("b")))])
-    va, vb = _val(b["a"]), _val(b["b"])
-    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype == torch.float32):
-        raise Mismatch(ctx.nodes[0], "residual add needs two fp32 tensors of the same shape")
-    ctx.set(b["out"], ctx.emit(nhil.add.default, ctx.tensor(b["a"]), ctx.tensor(b["b"])))
+    """Decoder-layer residual adds ``residual + h`` -> nhil.add, one per add.
+
+    One add (pre-norm: Llama, ...) or a chain of them in one region (post-norm OLMo-2,
+    where the second residual add consumes the first directly).
+    """
+    for n in ctx.nodes:
+        if n.target != aten.add.Tensor or len(n.args) != 2 or n.kwargs:
+            raise Mismatch(n, f"expected a residual aten.add.Tensor, found {n.target}")
+        a, c = n.args
+        va, vb = _val(a), _val(c)
+        if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype == torch.float32):
+            raise Mismatch(n, "residual add needs two fp32 tensors of the same shape")
+        ctx.set(n, ctx.emit(nhil.add.default, ctx.tensor(a), ctx.tensor(c)))
 
 
 INDEX_OPS = {
@@ -324,22 +425,30 @@ def h_index_arith(ctx: Ctx) -> None:
             ctx.set(o, ctx.const("position_ids", t.clone()))
 
 
-def _proj(p):
+def _proj(p, normed=False):
+    """q/k/v split into heads: ``view(lin, [B,S,-1,hd]).transpose(1,2)``; when already split
+    into heads and normalised per head (QK-norm of Qwen3 / Gemma3), only the transpose."""
+    if normed == "post":  # Gemma3: view+transpose, then the per-head norm on [B,H,S,hd]
+        return []
+    if normed:
+        return [(f"{p}_t", aten.transpose.int, (V(f"{p}_lin"), 1, 2), None)]
     return [
         (f"{p}_view", aten.view.default, (V(f"{p}_lin"), [V("B"), V("S"), -1, V("hd")]), None),
         (f"{p}_t", aten.transpose.int, (V(f"{p}_view"), 1, 2), None),
     ]
 
 
-def _rope(p):
+def _rope(p, src=None, out=None):
+    """Rotate-half RoPE of ``src`` (default ``{p}_t``) into ``out`` (default ``{p}_rot``)."""
+    src, out = src or f"{p}_t", out or f"{p}_rot"
     return [
-        (f"{p}_mc", aten.mul.Tensor, (V(f"{p}_t"), V("cos_u")), None),
-        (f"{p}_lo", aten.slice.Tensor, (V(f"{p}_t"), 3, 0, V("half")), None),
-        (f"{p}_hi", aten.slice.Tensor, (V(f"{p}_t"), 3, V("half"), INT64_MAX), None),
+        (f"{p}_mc", aten.mul.Tensor, (V(src), V("cos_u")), None),
+        (f"{p}_lo", aten.slice.Tensor, (V(src), 3, 0, V("half")), None),
+        (f"{p}_hi", aten.slice.Tensor, (V(src), 3, V("half"), INT64_MAX), None),
         (f"{p}_neg", aten.neg.default, (V(f"{p}_hi"),), None),
         (f"{p}_cat", aten.cat.default, ([V(f"{p}_neg"), V(f"{p}_lo")], -1), None),
         (f"{p}_ms", aten.mul.Tensor, (V(f"{p}_cat"), V("sin_u")), None),
-        (f"{p}_rot", aten.add.Tensor, (V(f"{p}_mc"), V(f"{p}_ms")), None),
+        (out, aten.add.Tensor, (V(f"{p}_mc"), V(f"{p}_ms")), None),
     ]
 
 
@@ -347,29 +456,88 @@ def _repeat(p, src):
     return [
         (f"{p}_u", aten.unsqueeze.default, (V(src), 2), None),
         (f"{p}_e", aten.expand.default, (V(f"{p}_u"), [V("B"), V("Hkv"), V("nrep"), V("L"), V("hd")]), None),
-        (f"{p}_r", aten.reshape.default, (V(f"{p}_e"), [V("B"), V("Hq"), V("L"), V("hd")]), None),
+        (f"{p}_rr", aten.reshape.default, (V(f"{p}_e"), [V("B"), V("Hq"), V("L"), V("hd")]), None),
     ]
 
 
-_HEAD = (
-    _proj("q") + _proj("k") + _proj("v")
-    + [("cos_u", aten.unsqueeze.default, (V("cos"), 1), None), ("sin_u", aten.unsqueeze.default, (V("sin"), 1), None)]
-    + _rope("q") + _rope("k")
-)
-_TAIL = [
-    ("o", aten.scaled_dot_product_attention.default, (V("q_rot"), V("k_r"), V("v_r"), V("mask")), {"scale": V("scale")}),
+_COS_SIN = [("cos_u", aten.unsqueeze.default, (V("cos"), 1), None), ("sin_u", aten.unsqueeze.default, (V("sin"), 1), None)]
+# fused qkv_proj (Phi-3): slices of one projection along the feature dim
+_FUSED = [
+    ("q_lin", aten.slice.Tensor, (V("qkv"), 2, 0, V("q_end")), None),
+    ("k_lin", aten.slice.Tensor, (V("qkv"), 2, V("q_end"), V("k_end")), None),
+    ("v_lin", aten.slice.Tensor, (V("qkv"), 2, V("k_end"), INT64_MAX), None),
+]
+# partial rotary (Phi-3 partial_rotary_factor): rotate the first rd dims, pass the rest
+_PARTIAL_SPLIT = [
+    ("q_r", aten.slice.Tensor, (V("q_t"), 3, 0, V("rd")), None),
+    ("q_p", aten.slice.Tensor, (V("q_t"), 3, V("rd"), INT64_MAX), None),
+    ("k_r", aten.slice.Tensor, (V("k_t"), 3, 0, V("rd")), None),
+    ("k_p", aten.slice.Tensor, (V("k_t"), 3, V("rd"), INT64_MAX), None),
+]
+HEADS_VIEW = [("out", aten.view.default, (V("x"), [V("B"), V("S"), -1, V("hd")]), None)]
+HEADS_VIEW_T = [("view", aten.view.default, (V("x"), [V("B"), V("S"), -1, V("hd")]), None), ("out", aten.transpose.int, (V("view"), 1, 2), None)]
+_SDPA_TAIL = [
+    ("o", aten.scaled_dot_product_attention.default, (V("q_rot"), V("k_rr"), V("v_rr"), V("mask")), {"scale": V("scale")}),
     ("o1", aten.reshape.default, (V("o"), [V("B"), -1, V("S"), V("hd")]), None),
     ("o2", aten.transpose.int, (V("o1"), 1, 2), None),
     ("out", aten.reshape.default, (V("o2"), [V("B"), V("S"), -1]), None),
 ]
-ATTENTION_DECODE = _HEAD + [
-    ("pos_ar", aten.arange.default, (V("S"),), ANY),
-    ("pos", aten.add.Tensor, (V("pos_ar"), V("cp0")), None),
-    ("kc", aten.index_copy_.default, (V("kcache"), 2, V("pos"), V("k_rot")), None),
-    ("vc", aten.index_copy_.default, (V("vcache"), 2, V("pos"), V("v_t")), None),
-] + _repeat("k", "kc") + _repeat("v", "vc") + _TAIL
-ATTENTION_PREFILL = _HEAD + _repeat("k", "k_rot") + _repeat("v", "v_t") + _TAIL
+# eager attention with logit soft-capping (modeling_gemma2.eager_attention_forward)
+_SOFTCAP_TAIL = [
+    ("kT", aten.transpose.int, (V("k_rr"), 2, 3), None),
+    ("o", aten.matmul.default, (V("q_rot"), V("kT")), None),
+    ("sc", aten.mul.Tensor, (V("o"), V("scale")), None),
+    ("cd", aten.div.Tensor, (V("sc"), V("cap")), None),
+    ("ct", aten.tanh.default, (V("cd"),), None),
+    ("cm", aten.mul.Tensor, (V("ct"), V("cap")), None),
+    ("am", aten.add.Tensor, (V("cm"), V("mask")), None),
+    ("sm", aten.softmax.int, (V("am"), -1, torch.float32), None),
+    ("dr", aten.dropout.default, (V("sm"), 0.0, False), None),
+    ("pv", aten.matmul.default, (V("dr"), V("v_rr")), None),
+    ("o2", aten.transpose.int, (V("pv"), 1, 2), None),
+    ("out", aten.reshape.default, (V("o2"), [V("B"), V("S"), -1]), None),
+]
+
+
+def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, softcap: bool) -> list[tuple]:
+    """The exact ATen sequence of one transformers attention core for the given variant."""
+    steps = list(_FUSED) if fused else []
+    steps += _proj("q", qknorm) + _proj("k", qknorm) + _proj("v") + _COS_SIN
+    if partial:
+        steps += _PARTIAL_SPLIT
+        steps += _rope("q", "q_r", "q_rr") + [("q_rot", aten.cat.default, ([V("q_rr"), V("q_p")], -1), None)]
+        steps += _rope("k", "k_r", "k_rr0") + [("k_rot", aten.cat.default, ([V("k_rr0"), V("k_p")], -1), None)]
+    else:
+        steps += _rope("q") + _rope("k")
+    if decode:
+        steps += [
+            ("pos_ar", aten.arange.default, (V("S"),), ANY),
+            ("pos", aten.add.Tensor, (V("pos_ar"), V("cp0")), None),
+            ("kc", aten.index_copy_.default, (V("kcache"), 2, V("pos"), V("k_rot")), None),
+            ("vc", aten.index_copy_.default, (V("vcache"), 2, V("pos"), V("v_t")), None),
+        ]
+        steps += _repeat("k", "kc") + _repeat("v", "vc")
+    else:
+        steps += _repeat("k", "k_rot") + _repeat("v", "v_t")
+    return steps + (_SOFTCAP_TAIL if softcap else _SDPA_TAIL)
+
+
+ATTENTION_PATTERNS = [
+    attention_pattern(d, qn, f, pr, sc)
+    for d in (True, False) for qn in (False, True, "post") for f in (False, True) for pr in (False, True) for sc in (False, True)
+]
+# legacy names (Llama)
+ATTENTION_DECODE = attention_pattern(True, False, False, False, False)
+ATTENTION_PREFILL = attention_pattern(False, False, False, False, False)
 CACHE_LEN_INC = [("inc", aten.add_.Tensor, (V("cl"), 1), None)]
+
+
+def _width(n: fx.Node, hd: int) -> int:
+    """Flat feature width of a projection ([B,S,F]) or of its per-head view ([B,S,H,hd])."""
+    v = _val(n)
+    if v.dim() == 4:
+        return v.shape[2] * v.shape[3] if v.shape[3] == hd else -1
+    return v.shape[-1]
 
 
 def _extra(window, softcap) -> tuple:
@@ -380,12 +548,22 @@ def _extra(window, softcap) -> tuple:
 
 
 def h_attention(ctx: Ctx) -> None:
-    """LlamaAttention core (after q/k/v_proj, before o_proj) -> nhil.rope x2 + attention[_kv].
+    """Attention core (after q/k/v_proj, before o_proj) -> nhil.rope x2 + attention[_kv].
 
+    Variants (:func:`attention_pattern`): per-head QK-norm before the head transpose,
+    fused QKV projection (slices), partial rotary, eager soft-capped attention. The
+    sliding window comes from the mask (a structured Marker, see :func:`h_index_arith`).
     Also accepts the StaticCache's ``cumulative_length.add_(1)`` (dropped: the decode
     wrapper overwrites it with cache_position[0] before any read, checked here).
     """
-    b = ctx.match([ATTENTION_DECODE, ATTENTION_PREFILL, CACHE_LEN_INC])
+    if len(ctx.nodes) <= 2 and ctx.nodes[0].target == aten.view.default:
+        # q/k split into heads before a per-head QK-norm: the graph IR keeps the flat projection
+        b = ctx.match([HEADS_VIEW, HEADS_VIEW_T])
+        if not isinstance(b["hd"], int) or _val(b["x"]).dim() != 3:
+            raise Mismatch(ctx.nodes[0], "expected view(x, [B, S, -1, head_dim]) of a projection")
+        ctx.set(b["out"], Marker("heads", (ctx.tensor(b["x"]), b["hd"])))
+        return
+    b = ctx.match(ATTENTION_PATTERNS + [CACHE_LEN_INC])
     if "inc" in b:
         ctx.marker(b["cl"], "cache_pos0")
         inc = b["inc"]
@@ -394,34 +572,179 @@ def h_attention(ctx: Ctx) -> None:
             raise Mismatch(inc, "cumulative_length is read after it is incremented")
         return
     hd, half, hq, hkv, nrep, s = b["hd"], b["half"], b["Hq"], b["Hkv"], b["nrep"], b["S"]
+    rd = b.get("rd")
+    widths = {}
+    for p in ("q", "k"):
+        if f"{p}_lin" not in b:  # QK-norm applied on the [B,H,S,hd] heads (Gemma3)
+            b[f"{p}_lin"] = b[f"{p}_t"]
+            t = _val(b[f"{p}_t"])
+            widths[p] = t.shape[1] * t.shape[3] if t.dim() == 4 and t.shape[3] == hd and t.shape[2] == s else -1
     ok = (
-        isinstance(b["scale"], float) and 2 * half == hd and hq == hkv * nrep
-        and _val(b["q_lin"]).shape[-1] == hq * hd and _val(b["k_lin"]).shape[-1] == hkv * hd
-        and _val(b["v_lin"]).shape[-1] == hkv * hd
+        isinstance(b["scale"], float) and hq == hkv * nrep
+        and (2 * half == hd if rd is None else (2 * half == rd and 0 < rd < hd))
+        and widths.get("q", _width(b["q_lin"], hd)) == hq * hd and widths.get("k", _width(b["k_lin"], hd)) == hkv * hd
+        and _width(b["v_lin"], hd) == hkv * hd
     )
+    if "qkv" in b:
+        ok = ok and b["q_end"] == hq * hd and b["k_end"] == (hq + hkv) * hd and _val(b["qkv"]).shape[-1] == (hq + 2 * hkv) * hd
+    if "cap" in b:
+        ok = ok and isinstance(b["cap"], float)
     if not ok:
-        raise Mismatch(ctx.nodes[0], f"inconsistent attention shapes (hd={hd}, half={half}, Hq={hq}, Hkv={hkv}, n_rep={nrep})")
+        raise Mismatch(ctx.nodes[0], f"inconsistent attention shapes (hd={hd}, half={half}, Hq={hq}, Hkv={hkv}, n_rep={nrep}, rotary_dim={rd})")
     mask = ctx.marker(b["mask"], "causal_mask").data
+    if mask[3] != ("cap" in b):
+        raise Mismatch(b["o"], "eager soft-capped attention needs the additive mask, SDPA the boolean one")
     cos, sin = ctx.tensor(b["cos"]), ctx.tensor(b["sin"])
-    q = ctx.emit(nhil.rope.default, ctx.tensor(b["q_lin"]), cos, sin, hd)
-    k = ctx.emit(nhil.rope.default, ctx.tensor(b["k_lin"]), cos, sin, hd)
-    v = ctx.tensor(b["v_lin"])
+    if "qkv" in b:
+        qkv = ctx.tensor(b["qkv"])
+        qf = ctx.emit(nhil.narrow.default, qkv, 0, hq * hd)
+        kf = ctx.emit(nhil.narrow.default, qkv, hq * hd, hkv * hd)
+        v = ctx.emit(nhil.narrow.default, qkv, (hq + hkv) * hd, hkv * hd)
+    else:
+        qf, kf, v = ctx.tensor(b["q_lin"]), ctx.tensor(b["k_lin"]), ctx.tensor(b["v_lin"])
+    rope_extra = (rd,) if rd is not None else ()
+    q = ctx.emit(nhil.rope.default, qf, cos, sin, hd, *rope_extra)
+    k = ctx.emit(nhil.rope.default, kf, cos, sin, hd, *rope_extra)
+    cap = b.get("cap")
     if "kc" in b:
         cp = ctx.marker(b["cp0"], "cache_pos0").data
-        if mask[:2] != ("cache", b["L"]) or mask[3] or s != 1:
+        if mask[:2] != ("cache", b["L"]) or s != 1:
             raise Mismatch(b["o"], f"decode attention needs a causal cache mask over L={b['L']} and one token, got {mask}, S={s}")
         kc, vc = ctx.param(b["kcache"]), ctx.param(b["vcache"])
         ctx.r.cache_names += [kc.target, vc.target]
-        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hkv, b["scale"], *_extra(mask[2], None))
+        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hkv, b["scale"], *_extra(mask[2], cap))
     else:
-        if mask[:2] != ("prefill", s) or mask[3]:
+        if mask[:2] != ("prefill", s):
             raise Mismatch(b["o"], f"prefill attention needs a causal mask over S={s}, got {mask}")
-        out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"], *_extra(mask[2], None))
+        out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"], *_extra(mask[2], cap))
     ctx.set(b["out"], out)
+
+
+# ---------------------------------------------------------------- MoE (batched_mm experts)
+# transformers 5.24, experts_implementation="batched_mm": modeling_mixtral.MixtralSparseMoeBlock /
+# MixtralTopKRouter, modeling_qwen3_moe.Qwen3MoeSparseMoeBlock / Qwen3MoeTopKRouter,
+# integrations/moe.batched_mm_experts_forward (+ _default_apply_gate). The block spans five
+# regions (block view, router, experts part 1, act_fn, experts part 2, block reshape); they
+# pass Markers along and the last experts piece emits one nhil.moe.
+
+
+def _moe_router_pattern(softmax_dtype: bool, norm: bool) -> list[tuple]:
+    steps = [
+        ("flat", aten.reshape.default, (V("tok"), [-1, V("H")]), None),
+        ("logits", aten.linear.default, (V("flat"), V("rw")), None),
+        ("probs", aten.softmax.int, (V("logits"), -1, torch.float32) if softmax_dtype else (V("logits"), -1), None),
+        ("topk", aten.topk.default, (V("probs"), V("k")), None),
+        ("w", operator.getitem, (V("topk"), 0), None),
+        ("ids", operator.getitem, (V("topk"), 1), None),
+    ]
+    if norm:
+        steps += [("wsum", aten.sum.dim_IntList, (V("w"), [-1], True), None), ("wn", aten.div_.Tensor, (V("w"), V("wsum")), None)]
+    return steps
+
+
+MOE_ROUTER_PATTERNS = [_moe_router_pattern(d, n) for n in (True, False) for d in (False, True)]
+MOE_EXPERTS_IN = [
+    ("rep", aten.repeat_interleave.self_int, (V("tok"), V("k"), 0), None),
+    ("wf", aten.reshape.default, (V("wts"), [-1]), None),
+    ("idf", aten.reshape.default, (V("ids"), [-1]), None),
+    ("gsel", aten.index.Tensor, (V("gu"), [V("idf")]), None),
+    ("xu", aten.unsqueeze.default, (V("rep"), -1), None),
+    ("gbmm", aten.bmm.default, (V("gsel"), V("xu")), None),
+    ("gsq", aten.squeeze.dim, (V("gbmm"), -1), None),
+    ("chunk", aten.chunk.default, (V("gsq"), 2, -1), None),
+    ("gate", operator.getitem, (V("chunk"), 0), None),
+    ("up", operator.getitem, (V("chunk"), 1), None),
+]
+MOE_EXPERTS_OUT = [
+    ("m", aten.mul.Tensor, (V("a"), V("u")), None),
+    ("dsel", aten.index.Tensor, (V("dn"), [V("idf")]), None),
+    ("mu", aten.unsqueeze.default, (V("m"), -1), None),
+    ("dbmm", aten.bmm.default, (V("dsel"), V("mu")), None),
+    ("dsq", aten.squeeze.dim, (V("dbmm"), -1), None),
+    ("wu", aten.unsqueeze.default, (V("wf"), -1), None),
+    ("wy", aten.mul.Tensor, (V("dsq"), V("wu")), None),
+    ("v", aten.view.default, (V("wy"), [V("T"), V("k"), V("H")]), None),
+    ("out", aten.sum.dim_IntList, (V("v"), [1]), None),
+]
+
+
+def _moe_marker(ctx: Ctx, old: fx.Node, kind: str, state: dict | None = None) -> dict:
+    m = ctx.marker(old, kind)
+    if state is not None and m.data is not state:
+        raise Mismatch(ctx.nodes[0], f"input {old.name} belongs to another MoE block")
+    return m.data
+
+
+def h_moe_block(ctx: Ctx) -> None:
+    """SparseMoeBlock glue: ``hidden.view(-1, H)`` -> Marker('moe_tokens'); the final
+    ``reshape(out, [B, S, H])`` of the routed-experts result -> the nhil.moe node."""
+    if len(ctx.nodes) != 1:
+        raise Mismatch(ctx.nodes[0], "MoE block: only routed experts (no shared expert) are supported")
+    n = ctx.nodes[0]
+    if n.target == aten.view.default:
+        b = ctx.match([[("out", aten.view.default, (V("x"), [-1, V("H")]), None)]])
+        xv = _val(b["x"])
+        if xv.dim() != 3 or b["H"] != xv.shape[-1] or xv.dtype != torch.float32:
+            raise Mismatch(n, "MoE block input must be an fp32 [B, S, H] tensor viewed as [-1, H]")
+        ctx.set(b["out"], Marker("moe_tokens", {"x": ctx.tensor(b["x"]), "shape": tuple(xv.shape)}))
+        return
+    b = ctx.match([[("out", aten.reshape.default, (V("y"), V("shape")), None)]])
+    out = ctx.marker(b["y"], "moe_out").data
+    if list(b["shape"]) != list(out["shape"]):
+        raise Mismatch(n, f"MoE block output reshape {b['shape']} is not the input shape {out['shape']}")
+    ctx.set(b["out"], out["node"])
+
+
+def h_moe_router(ctx: Ctx) -> None:
+    """TopKRouter ``linear -> softmax(fp32) -> topk -> [w /= w.sum()]`` -> Markers for the
+    routing weights and expert ids (consumed by the experts pattern)."""
+    i, b = match_any(MOE_ROUTER_PATTERNS, ctx.nodes, ctx.r.canon)
+    tok = ctx.marker(b["tok"], "moe_tokens").data
+    rw = _val(b["rw"])
+    if not (isinstance(b["k"], int) and isinstance(b["H"], int) and b["H"] == tok["shape"][-1] and rw.dim() == 2 and rw.shape[1] == b["H"] and 0 < b["k"] <= rw.shape[0]):
+        raise Mismatch(ctx.nodes[0], f"inconsistent MoE router shapes (router weight {tuple(rw.shape)}, k={b['k']}, H={b['H']})")
+    st = {"tok": tok, "rw": ctx.param(b["rw"]), "E": int(rw.shape[0]), "k": int(b["k"]), "norm": "wn" in b, "score": "softmax"}
+    ctx.set(b["wn"] if "wn" in b else b["w"], Marker("moe_weights", st))
+    ctx.set(b["ids"], Marker("moe_ids", st))
+
+
+def h_moe_experts(ctx: Ctx) -> None:
+    """batched_mm experts: the gather + bmm of gate_up (-> Markers for gate / up), then
+    ``silu(gate) * up`` -> bmm of down -> × routing weight -> sum over the k slots ->
+    one nhil.moe carrying the routing rule and the 3-D expert weights."""
+    if ctx.nodes[0].target == aten.repeat_interleave.self_int:
+        b = ctx.match([MOE_EXPERTS_IN])
+        st = _moe_marker(ctx, b["wts"], "moe_weights")
+        _moe_marker(ctx, b["ids"], "moe_ids", st)
+        if ctx.marker(b["tok"], "moe_tokens").data is not st["tok"] or b["k"] != st["k"]:
+            raise Mismatch(ctx.nodes[0], "MoE experts do not consume the router's tokens / top-k")
+        gu = _val(b["gu"])
+        h = st["tok"]["shape"][-1]
+        if gu.dim() != 3 or gu.shape[0] != st["E"] or gu.shape[2] != h or gu.shape[1] % 2:
+            raise Mismatch(ctx.nodes[0], f"gate_up_proj {tuple(gu.shape)} is not [E={st['E']}, 2I, H={h}]")
+        st = dict(st, gu=ctx.param(b["gu"]))
+        for name, kind in (("wf", "moe_wflat"), ("idf", "moe_idflat"), ("gate", "moe_gate"), ("up", "moe_up")):
+            ctx.set(b[name], Marker(kind, st))
+        return
+    b = ctx.match([MOE_EXPERTS_OUT])
+    st = _moe_marker(ctx, b["a"], "moe_act")
+    _moe_marker(ctx, b["u"], "moe_up", st)
+    _moe_marker(ctx, b["idf"], "moe_idflat", st)
+    _moe_marker(ctx, b["wf"], "moe_wflat", st)
+    dn, shape = _val(b["dn"]), st["tok"]["shape"]
+    gu_shape = tuple(ctx.r.attrs[st["gu"].target].shape)
+    t = shape[0] * shape[1]
+    if dn.dim() != 3 or tuple(dn.shape) != (st["E"], shape[-1], gu_shape[1] // 2) or b["k"] != st["k"] or b["H"] != shape[-1] or b["T"] != t:
+        raise Mismatch(ctx.nodes[0], f"down_proj {tuple(dn.shape)} / combine view [{b['T']}, {b['k']}, {b['H']}] do not fit the MoE block")
+    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], ctx.param(b["dn"]), st["E"], st["k"], st["score"], st["norm"], "silu")
+    ctx.set(b["out"], Marker("moe_out", {"node": node, "shape": shape}))
 
 
 HANDLERS: dict[str, Callable[[Ctx], None]] = {
     "TorchExportableModuleWithStaticCache": h_static_cache_wrapper,
+    "TorchExportableModuleWithHybridCache": h_static_cache_wrapper,
+    "Dropout": h_dropout,
+    "GELUTanh": h_act,
     "Embedding": h_embedding,
     "Linear": h_linear,
     "LlamaRMSNorm": h_rms_norm,
@@ -431,6 +754,11 @@ HANDLERS: dict[str, Callable[[Ctx], None]] = {
     "LlamaDecoderLayer": h_residual,
     "LlamaModel": h_index_arith,
     "LlamaAttention": h_attention,
+    "ScaledWordEmbedding": h_scaled_embedding,
+    "ForCausalLM": h_causal_lm,
+    "MixtralSparseMoeBlock": h_moe_block,
+    "MixtralTopKRouter": h_moe_router,
+    "MixtralExperts": h_moe_experts,
 }
 
 # Module classes of other families whose code is the Llama code under another name are
@@ -438,12 +766,17 @@ HANDLERS: dict[str, Callable[[Ctx], None]] = {
 # This is safe because every handler still matches the region op by op and the raised
 # graph is checked bit-exact; a class whose code differs simply fails to match.
 ROLE_SUFFIXES: list[tuple[str, str]] = [
+    ("ScaledWordEmbedding", "ScaledWordEmbedding"),
+    ("ForCausalLM", "ForCausalLM"),
     ("RMSNorm", "LlamaRMSNorm"),
     ("RotaryEmbedding", "LlamaRotaryEmbedding"),
     ("Attention", "LlamaAttention"),
     ("MLP", "LlamaMLP"),
     ("DecoderLayer", "LlamaDecoderLayer"),
     ("Model", "LlamaModel"),
+    ("SparseMoeBlock", "MixtralSparseMoeBlock"),
+    ("TopKRouter", "MixtralTopKRouter"),
+    ("Experts", "MixtralExperts"),
 ]
 
 

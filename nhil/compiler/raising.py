@@ -2,7 +2,8 @@
 
 Algorithm (linear in the number of nodes):
 
-1. *Transparent* nodes are removed: ``aten._assert_tensor_metadata``, ``aten.alias`` and
+1. *Transparent* nodes are removed: ``aten._assert_tensor_metadata``, ``aten.alias``,
+   ``aten.contiguous`` (a value identity: the graph IR has no strides) and
    casts/moves that do not change dtype or device (``aten.to.*`` identities, which alias
    their input in eager mode). Every argument is canonicalised through them.
 2. Dead nodes (no path to the output or to an in-place op) are ignored.
@@ -83,9 +84,9 @@ def _val(n):
 def _is_transparent(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
-    if n.target in (aten._assert_tensor_metadata.default, aten.alias.default):
+    if n.target in (aten._assert_tensor_metadata.default, aten.alias.default, aten.contiguous.default):  # value identities
         return True
-    if n.target in _TO_OPS:
+    if n.target in _TO_OPS or n.target == aten.type_as.default:
         a, v = _val(n.args[0]), _val(n)
         return isinstance(a, torch.Tensor) and isinstance(v, torch.Tensor) and a.dtype == v.dtype and a.device == v.device
     return False
@@ -202,9 +203,39 @@ class Raiser:
         groups: dict[fx.Node, list[fx.Node]] = {}
         for n in ops:
             groups.setdefault(find(n), []).append(n)
-        regs = [Region(*key[nodes[0]], nodes) for nodes in groups.values()]
+        regs = [Region(*key[piece[0]], piece) for nodes in groups.values() for piece in self._convex_pieces(nodes)]
         regs.sort(key=lambda r: self.index[r.nodes[-1]])
         return regs
+
+    def _convex_pieces(self, nodes: list[fx.Node]) -> list[list[fx.Node]]:
+        """Split a region where it depends on an outside op that itself depends on the region
+        (e.g. OLMo-2's post-norm residual adds ``h1 = x + n(attn)``, ``h2 = h1 + n(mlp(h1))``:
+        one connected component, but the MLP between them needs ``h1`` first)."""
+        if len(nodes) < 2:
+            return [nodes]
+        members = set(nodes)
+        pieces: list[list[fx.Node]] = [[]]
+        cur: set[fx.Node] = set()
+        for n in nodes:
+            lo = min((self.index[m] for m in cur), default=self.index[n])
+            if cur and any(self._depends_on(self.canon(a), cur, lo) for a in n.all_input_nodes if self.canon(a) not in members):
+                pieces.append([])
+                cur = set()
+            pieces[-1].append(n)
+            cur.add(n)
+        return pieces
+
+    def _depends_on(self, start: fx.Node, targets: set[fx.Node], lo: int) -> bool:
+        stack, seen = [start], set()
+        while stack:
+            x = stack.pop()
+            if x in targets:
+                return True
+            if x in seen or self.index[x] < lo:
+                continue
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+        return False
 
     def run(self, strict: bool) -> RaisedGraph:
         from nhil.compiler.raise_handlers import Ctx, handler_for

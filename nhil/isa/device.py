@@ -72,4 +72,7 @@ DEVICE_PRESETS: dict[str, DeviceConfig] = {
     "aim-like": DeviceConfig(),
     "fpga-small": DeviceConfig(name="fpga-small", channels=2, banks=16, rows=1024),
     "rtl-tiny": DeviceConfig(name="rtl-tiny", channels=1, banks=16, rows=256, row_bytes=256, gb_bytes=256),
+    # one AiM channel (16 banks x 16384 rows x 2 KB rows, 2 KB global buffer): the largest
+    # single-channel RTL build; SmolLM2-135M fits it (nhil.targets.rtl, docs/rtl-interface.md)
+    "rtl-aim1": DeviceConfig(name="rtl-aim1", channels=1, banks=16, rows=16384, row_bytes=2048, gb_bytes=2048),
 }

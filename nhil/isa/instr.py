@@ -91,6 +91,7 @@ RESERVED_OPS = frozenset({Op.EWMUL, Op.EWADD, Op.AF})
 
 # CFR registers (SET_CFR k=<reg>, imm=<value>)
 CFR_ACC_RD_FMT = 0  # 0: RD_ACC returns fp32; 1: RD_ACC returns bf16 (RNE) widened to fp32
+CFR_W_FMT = 1  # weight format MAC_AB/MAC_SB read bank rows in: 0 = bf16 (reset value); codes in nhil.numerics.formats (docs/isa.md)
 
 
 class Instr(NamedTuple):

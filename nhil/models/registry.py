@@ -100,3 +100,4 @@ def get_model(name: str) -> ModelBundle:
 
 def _load_builtin() -> None:
     from nhil.models import llama  # noqa: F401  (registers llama, llama-tiny)
+    from nhil.models import zoo  # noqa: F401  (registers the tiny seeded zoo: mistral, qwen2, ...)

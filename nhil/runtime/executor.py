@@ -51,21 +51,41 @@ class Runner:
         # writable copies: a decoded program's images are read-only views of the file bytes
         self.images = {n: np.array(a, dtype=np.float32) for n, a in program.host_images.items()}
         self.segments: list[tuple[str, object]] = []
+        # MoE expert sub-programs (docs/isa.md "Runtime: data-dependent MoE dispatch"): the
+        # instructions after a ``HOST moe_expert`` marker up to the next marker or
+        # ``HOST moe_dispatch`` are not part of the linear stream; they run from the dispatch.
+        self.expert_segments: dict[int, list[tuple[str, object]]] = {}
+        target = self.segments
         cur: list[int] = []
         for i, ins in enumerate(program.instrs):
             if ins.op is Op.HOST:
                 if cur:
-                    self.segments.append(("dev", cur))
+                    target.append(("dev", cur))
                     cur = []
-                self.segments.append(("host", ins.imm))
+                kern = program.host_ops[ins.imm].kernel
+                if kern == "moe_expert":
+                    target = self.expert_segments.setdefault(ins.imm, [])
+                    continue
+                if kern == "moe_dispatch":
+                    target = self.segments
+                target.append(("host", ins.imm))
             else:
                 cur.append(i)
                 if ins.op is Op.SYNC:  # a SYNC ends a block: readbacks reach the host before what follows
-                    self.segments.append(("dev", cur))
+                    target.append(("dev", cur))
                     cur = []
         if cur:
-            self.segments.append(("dev", cur))
-        self.device_instructions = sum(len(s[1]) for s in self.segments if s[0] == "dev")
+            target.append(("dev", cur))
+        if target is not self.segments:
+            raise RunError("program ends inside a MoE expert sub-program (no moe_dispatch after its moe_expert marker)")
+        for h in program.host_ops:
+            if h.kernel == "moe_dispatch":
+                missing = [m for m in h.attrs["experts"] if m not in self.expert_segments]
+                if missing or len(h.attrs["experts"]) != h.attrs["num_experts"]:
+                    raise RunError(f"moe_dispatch of layer {h.attrs.get('layer')} names expert markers {missing} that open no sub-program")
+        self.device_instructions = sum(len(s[1]) for s in self.segments if s[0] == "dev")  # linear stream only
+        self.expert_device_instructions = {m: sum(len(s[1]) for s in segs if s[0] == "dev") for m, segs in self.expert_segments.items()}
+        self.moe_trace: list[tuple[int, list[int]]] = []  # (MoE layer, routed expert ids in slot order) per dispatch
         self.steps = 0
 
     def reset(self) -> None:
@@ -118,9 +138,22 @@ class Runner:
         if max_len and not 0 <= pos < max_len:
             raise RunError(f"position {pos} is outside the compiled KV cache of {max_len} positions; compile with a larger max_cache_len")
         ctx = {"token": int(token), "pos": int(pos)}
-        for kind, seg in self.segments:
+        self._run(self.segments, ctx, pos)
+        self.steps += 1
+        return {k: self.bufs[v] for k, v in self.p.io["outputs"].items()}
+
+    def _run(self, segments: list, ctx: dict, pos: int) -> None:
+        for kind, seg in segments:
             if kind == "host":
                 h = self.p.host_ops[seg]
+                if h.kernel == "moe_dispatch":  # run the routed experts' sub-programs, then combine
+                    k = int(h.attrs["top_k"])
+                    ids = [int(i) for i in self.bufs[h.inputs[0]][:k]]
+                    if any(not 0 <= e < len(h.attrs["experts"]) for e in ids) or len(set(ids)) != k:
+                        raise RunError(f"moe_dispatch of layer {h.attrs['layer']}: bad routed expert ids {ids}")
+                    self.moe_trace.append((int(h.attrs["layer"]), ids))
+                    for e in ids:
+                        self._run(self.expert_segments[h.attrs["experts"][e]], ctx, pos)
                 ins = [self._val(n, ctx) for n in h.inputs]
                 outs = [self.bufs[n] for n in h.outputs]
                 KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
@@ -135,5 +168,3 @@ class Runner:
                         if r.instr.op is Op.RD_SBK:
                             data = data.astype(np.float32)
                         self.bufs[o.buffer][o.offset : o.offset + o.count] = data[: o.count]
-        self.steps += 1
-        return {k: self.bufs[v] for k, v in self.p.io["outputs"].items()}

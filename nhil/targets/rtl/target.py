@@ -51,6 +51,13 @@ def channel_spec(d: DeviceConfig, simulator: str = "verilator", waves: bool = Fa
     return BuildSpec(SIM_TOP, tuple(str(RTL_DIR / s) for s in SIM_SOURCES), params, defines, simulator, build_waves)
 
 
+def _flag(v) -> bool:
+    """Boolean option; strings from ``-O key=value`` ("0", "false", "no", "off", "") are false."""
+    if isinstance(v, str):
+        return v.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(v)
+
+
 def _check_device(d: DeviceConfig) -> None:
     problems = []
     if d.channels != 1:
@@ -71,15 +78,27 @@ class RtlTarget(Target):
     name = "rtl"
 
     def __init__(self, device: DeviceConfig | str | None = None, *, waves: bool = False, simulator: str = "verilator", inject_bug: bool = False,
-                 keep_run: bool = False, timeout: float = 600.0, start_timeout: float = 60.0, **_ignored) -> None:
-        self.d = DEVICE_PRESETS[device] if isinstance(device, str) else (device or DEVICE_PRESETS["rtl-tiny"])
+                 keep_run: bool = False, timeout: float = 600.0, start_timeout: float = 60.0, image_format: str = "bin", driver: str = "sv", **_ignored) -> None:
+        device = device or os.environ.get("NHIL_RTL_DEVICE") or "rtl-tiny"
+        if isinstance(device, str):
+            if device not in DEVICE_PRESETS:
+                raise SetupError(f"rtl: unknown device preset {device!r}; presets: {', '.join(DEVICE_PRESETS)}")
+            device = DEVICE_PRESETS[device]
+        self.d = device
         _check_device(self.d)
-        self.waves = bool(waves) or os.environ.get("WAVES", "") not in ("", "0")
+        self.waves = _flag(waves) or _flag(os.environ.get("WAVES", ""))
         self.simulator = simulator
-        self.inject_bug = bool(inject_bug)
-        self.keep_run = keep_run
-        self.timeout = timeout
-        self.start_timeout = start_timeout
+        self.inject_bug = _flag(inject_bug)
+        self.keep_run = _flag(keep_run)
+        if image_format not in ("bin", "hex"):
+            raise SetupError(f"rtl: image_format must be 'bin' or 'hex', not {image_format!r}")
+        self.image_format = image_format
+        if driver not in ("sv", "cocotb"):
+            raise SetupError(f"rtl: driver must be 'sv' or 'cocotb', not {driver!r}")
+        self.driver = driver
+        self.load_info: dict = {}
+        self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
         self.L = self.d.lanes
         self.bursts = self.d.cols // self.L
         self.beat_bytes = self.L * 2
@@ -132,8 +151,8 @@ class RtlTarget(Target):
             "run_dir": str(self.run_dir),
             "results_xml": str(self.run_dir / "results.xml"),
             "waves": self.waves,
-            "plusargs": [f"+NHIL_MEMDIR={self.run_dir / 'mem'}"],
-            "env": {"NHIL_RTL_SOCK": sock_path, "PYTHONPATH": env["PYTHONPATH"], "COCOTB_LOG_LEVEL": "WARNING"},
+            "plusargs": [f"+NHIL_MEMDIR={self.run_dir / 'mem'}", f"+NHIL_STREAMDIR={self.run_dir}"],
+            "env": {"NHIL_RTL_SOCK": sock_path, "NHIL_STREAMDIR": str(self.run_dir), "PYTHONPATH": env["PYTHONPATH"], "COCOTB_LOG_LEVEL": "WARNING"},
         }
         (self.run_dir / "launch.json").write_text(json.dumps(cfg, indent=1))
         log = open(self.run_dir / "sim.log", "wb")
@@ -240,7 +259,12 @@ class RtlTarget(Target):
         if self._proc is None:
             self.open()
         self._write_images(program)
+        t0 = time.perf_counter()
         r = self._request({"cmd": "reset", "load": True}, what="load")
+        self.load_info["backdoor_s"] = round(time.perf_counter() - t0, 3)
+        if not self.keep_run and not self.waves:  # the simulator has the images now
+            for f in (self.run_dir / "mem").iterdir():
+                f.unlink()
         self.cycles0 = r["cycles"]
         self._digest = ReadbackDigest()
         self._reset_counters()
@@ -248,23 +272,57 @@ class RtlTarget(Target):
         self._loaded = True
 
     def _write_images(self, program: Program) -> None:
+        """Bank images for the backdoor (``docs/rtl-interface.md``): binary ``.seg``/``.bin`` or ``.hex``."""
         d = self.d
-        per_bank: list[list[str]] = [[] for _ in range(d.banks)]
-        rows = [img for img in program.bank_images if img.data is not None]
+        t0 = time.perf_counter()
+        mem = self.run_dir / "mem"
+        for f in mem.iterdir():
+            f.unlink()
+        rows = sorted((img for img in program.bank_images if img.data is not None), key=lambda img: img.row)
         for img in rows:
-            data = np.asarray(img.data, dtype=np.uint16)
-            if data.shape != (d.channels, d.banks, d.cols):
-                raise LoadError(f"bank image of row {img.row} has shape {data.shape}, expected {(d.channels, d.banks, d.cols)}")
-        for b in range(d.banks):
-            lines = per_bank[b]
-            lines.append("// nhil bank image (one burst per line, lane 0 in the low 16 bits)")
-            for img in rows:
-                bursts = np.ascontiguousarray(np.asarray(img.data, np.uint16)[0, b].reshape(self.bursts, self.L)[:, ::-1]).astype(">u2")
-                hx = bursts.tobytes().hex()
-                w = 4 * self.L
-                lines.append(f"@{img.row * self.bursts:x}")
-                lines.extend(hx[i : i + w] for i in range(0, len(hx), w))
-            (self.run_dir / "mem" / f"bank{b}.hex").write_text("\n".join(lines) + "\n")
+            shape = np.shape(img.data)
+            if shape != (d.channels, d.banks, d.cols):
+                raise LoadError(f"bank image of row {img.row} has shape {shape}, expected {(d.channels, d.banks, d.cols)}")
+        # contiguous runs of rows -> (first row, number of rows)
+        runs: list[list[int]] = []
+        for img in rows:
+            if runs and runs[-1][0] + runs[-1][1] == img.row:
+                runs[-1][1] += 1
+            else:
+                runs.append([img.row, 1])
+        nbytes = 0
+        if self.image_format == "bin":
+            seg = "".join(f"{r * self.bursts} {n * self.bursts}\n" for r, n in runs)
+            chunk = 1024  # rows per conversion chunk (bounds the temporary memory)
+            files = [open(mem / f"bank{b}.bin", "wb") for b in range(d.banks)]
+            try:
+                for i in range(0, len(rows), chunk):
+                    block = np.stack([np.asarray(img.data, np.uint16)[0] for img in rows[i : i + chunk]])  # (R, banks, cols)
+                    # one burst = BW/8 bytes, most significant first: lane L-1 first, big-endian bf16
+                    be = block.reshape(len(block), d.banks, self.bursts, self.L)[..., ::-1].astype(">u2")
+                    for b in range(d.banks):
+                        data = np.ascontiguousarray(be[:, b]).tobytes()
+                        files[b].write(data)
+                        nbytes += len(data)
+            finally:
+                for f in files:
+                    f.close()
+            for b in range(d.banks):
+                (mem / f"bank{b}.seg").write_text(seg)
+        else:
+            w = 4 * self.L
+            for b in range(d.banks):
+                lines = ["// nhil bank image (one burst per line, lane 0 in the low 16 bits)"]
+                for img in rows:
+                    bursts = np.ascontiguousarray(np.asarray(img.data, np.uint16)[0, b].reshape(self.bursts, self.L)[:, ::-1]).astype(">u2")
+                    hx = bursts.tobytes().hex()
+                    lines.append(f"@{img.row * self.bursts:x}")
+                    lines.extend(hx[i : i + w] for i in range(0, len(hx), w))
+                text = "\n".join(lines) + "\n"
+                nbytes += len(text)
+                (mem / f"bank{b}.hex").write_text(text)
+        self.load_info = {"rows": len(rows), "segments": len(runs), "format": self.image_format, "bytes": nbytes,
+                          "write_s": round(time.perf_counter() - t0, 3)}
 
     # ------------------------------------------------------------------ execute
     def _err(self, idx: int, ins: Instr, msg: str) -> RunError:
@@ -368,7 +426,7 @@ class RtlTarget(Target):
             raise RunError("rtl: load() a program first")
         t0 = time.perf_counter()
         blob, outs = self._encode(block)
-        r = self._request({"cmd": "exec"}, blob, what=f"block of {len(block)} instructions starting at {block[0].index if block else '-'}")
+        r = self._request({"cmd": "exec", "driver": self.driver}, blob, what=f"block of {len(block)} instructions starting at {block[0].index if block else '-'}")
         if r.get("err"):
             self._failed = True
             raise RunError(f"rtl: the channel flagged a malformed instruction in the block starting at instruction {block[0].index} (err_o); run folder {self.run_dir}")
@@ -403,7 +461,7 @@ class RtlTarget(Target):
     def read_row(self, ch: int, bank: int, row: int) -> np.ndarray:
         ins = Instr(Op.RD_SBK, 0, ch, bank, row, 0, self.bursts)
         self._check(-1, ins, None)
-        r = self._request({"cmd": "exec"}, ins.encode() + bytes(self.beat_bytes - 16), what="read_row")
+        r = self._request({"cmd": "exec", "driver": self.driver}, ins.encode() + bytes(self.beat_bytes - 16), what="read_row")
         return np.frombuffer(r["_blob"], dtype="<u2").astype(np.uint16)
 
     def write_row(self, ch: int, bank: int, row: int, data: np.ndarray) -> None:
@@ -413,7 +471,7 @@ class RtlTarget(Target):
             ins = Instr(Op.WR_SBK, 0, ch, bank, row, c, 0, imm=(1 << self.L) - 1 if self.L < 16 else 0xFFFF)
             self._check(-1, ins, data[c])
             parts.append(ins.encode() + bytes(self.beat_bytes - 16) + data[c].astype("<u2").tobytes())
-        self._request({"cmd": "exec"}, b"".join(parts), what="write_row")
+        self._request({"cmd": "exec", "driver": self.driver}, b"".join(parts), what="write_row")
 
     def waves_file(self) -> Path | None:
         """The wave file of this run (``dump.fst``, or ``dump.vcd`` without lz4 headers), if any."""
@@ -437,6 +495,9 @@ class RtlTarget(Target):
             "wall_s": round(self.wall, 4),
             "cycles_per_s": round(self.cycles / self.wall, 1) if self.wall else 0.0,
             "simulator": self.simulator,
+            "driver": self.driver,
+            "device": self.d.name,
+            "load": dict(self.load_info),
             "inject_bug": self.inject_bug,
             "build": dict(self.build_info),
             "run_dir": str(self.run_dir) if self.run_dir else None,

@@ -2,10 +2,18 @@
 
 The single cocotb test ``serve`` starts the clock, resets the DUT (``pim_channel``),
 connects to the host's Unix socket (env ``NHIL_RTL_SOCK``) and then executes requests
-(``nhil.targets.rtl.proto``) until ``close``. It drives the command stream and collects
-the readback stream cycle by cycle at falling clock edges: a beat presented at a falling
-edge while ``cmd_ready`` is high transfers at the next rising edge; ``rd_ready`` is held
-high, so a readback beat seen at a falling edge is consumed at the next rising edge.
+(``nhil.targets.rtl.proto``) until ``close``. Two ways to drive a block of command beats:
+
+* ``driver="sv"`` (default): the harness's file-driven stream driver
+  (``rtl_stubs/pim_stream_drv.sv``): the beats go to ``cmd.bin`` in the stream folder
+  (plusarg ``+NHIL_STREAMDIR``), the driver plays them into the command port with the
+  valid/ready handshake and writes every readback beat to ``rd.hex``; Python only starts it
+  and waits for ``drv_done``, so the simulator runs at full speed.
+* ``driver="cocotb"``: this module drives the command stream and collects the readback
+  stream cycle by cycle at falling clock edges: a beat presented at a falling edge while
+  ``cmd_ready`` is high transfers at the next rising edge; ``rd_ready`` is held high, so a
+  readback beat seen at a falling edge is consumed at the next rising edge (slow, but every
+  beat is visible in Python).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import os
 import socket
 
 import cocotb
+import numpy as np
 from cocotb.clock import Clock
 from cocotb.triggers import FallingEdge, RisingEdge
 from cocotb.utils import get_sim_time
@@ -30,6 +39,39 @@ class Driver:
         self.dw = len(dut.cmd_data)
         self.beat_bytes = self.dw // 8
         self.fe = FallingEdge(dut.clk)
+        self.stream_dir = os.environ.get("NHIL_STREAMDIR", ".")
+        self.has_sv_driver = hasattr(dut, "drv_start")
+
+    async def run_sv(self, blob: bytes) -> tuple[list[bytes], int]:
+        """Play the beats through ``pim_stream_drv`` (see the module docstring)."""
+        d = self.dut
+        bb = self.beat_bytes
+        n = len(blob) // bb
+        # host beats are little-endian; the driver's $fread wants the most significant byte first
+        with open(os.path.join(self.stream_dir, "cmd.bin"), "wb") as f:
+            f.write(np.frombuffer(blob, np.uint8).reshape(n, bb)[:, ::-1].tobytes())
+        await self.fe
+        d.drv_nbeats.value = n
+        d.drv_start.value = 1
+        if not d.drv_done.value:
+            await RisingEdge(d.drv_done)
+        await self.fe
+        status = int(d.drv_status.value)
+        nrd = int(d.drv_nrd.value)
+        d.drv_start.value = 0
+        await self.fe  # done drops at the next rising edge
+        if status == 1:
+            raise RuntimeError("device waits for payload beats the host did not send (beat count mismatch)")
+        if status == 2:
+            raise RuntimeError("device busy for too long (hang)")
+        if status == 3:
+            raise RuntimeError(f"stream driver could not read {self.stream_dir}/cmd.bin or write rd.hex")
+        with open(os.path.join(self.stream_dir, "rd.hex")) as f:
+            lines = f.read().split()
+        if len(lines) != nrd:
+            raise RuntimeError(f"stream driver recorded {nrd} readback beats but rd.hex has {len(lines)}")
+        out = [bytes.fromhex(h)[::-1] for h in lines]
+        return out, int(bool(d.err_o.value))
 
     def cycles(self) -> int:
         return int(get_sim_time("ns")) // PERIOD_NS
@@ -93,7 +135,7 @@ class Driver:
 @cocotb.test()
 async def serve(dut):
     """Serve host requests until ``close``."""
-    Clock(dut.clk, PERIOD_NS, unit="ns").start()
+    Clock(dut.clk, PERIOD_NS, unit="ns", impl="gpi").start()  # the C clock: no Python per cycle
     dut.cmd_valid.value = 0
     dut.cmd_data.value = 0
     dut.rd_ready.value = 1
@@ -101,6 +143,9 @@ async def serve(dut):
     dut.bd_load.value = 0
     dut.rst_n.value = 0
     drv = Driver(dut)
+    if drv.has_sv_driver:
+        dut.drv_start.value = 0
+        dut.drv_nbeats.value = 0
     await drv.reset(load=False)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.environ["NHIL_RTL_SOCK"])
@@ -114,7 +159,10 @@ async def serve(dut):
                     await drv.reset(bool(hdr.get("load")))
                     proto.send(sock, {"ok": True, "cycles": drv.cycles()})
                 elif cmd == "exec":
-                    out, err = await drv.run(blob)
+                    if hdr.get("driver", "sv") == "sv" and drv.has_sv_driver:
+                        out, err = await drv.run_sv(blob)
+                    else:
+                        out, err = await drv.run(blob)
                     proto.send(sock, {"ok": True, "beats": len(out), "err": err, "cycles": drv.cycles()}, b"".join(out))
                 elif cmd == "close":
                     proto.send(sock, {"ok": True, "cycles": drv.cycles()})

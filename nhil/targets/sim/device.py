@@ -7,9 +7,14 @@ State (``docs/isa.md`` section "State"):
   grown on first write. A row never written reads as zero.
 * ``GB[ch][i]``: global buffer, bf16 bits, ``gb_elems`` per channel.
 * ``ACC[ch][bank][k]``: fp32 accumulators.
-* ``CFR[ch][reg]``: configuration registers (reg 0 = RD_ACC format: 0 fp32, 1 bf16).
+* ``CFR[ch][reg]``: configuration registers (reg 0 = RD_ACC format: 0 fp32, 1 bf16;
+  reg 1 = W_FMT, the weight format MACs read rows in: 0 bf16, else a code of
+  ``nhil.numerics.formats``).
 
-The MAC arithmetic is ``nhil.numerics.mac`` (fixed-order fp32, RNE, canonical NaN).
+The MAC arithmetic is ``nhil.numerics.mac`` (fixed-order fp32, RNE, canonical NaN); with
+W_FMT != 0 a row's bytes are decoded per the format (``WeightFormat.unpack_row``) and
+the MAC is ``nhil.numerics.formats.mac_bursts_q`` (``docs/numerics.md``). Decoded rows
+are cached per (row, format) and dropped when the row is written.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 
 from nhil.errors import RunError
 from nhil.isa.device import DeviceConfig
-from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, Instr, Op
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
 from nhil.numerics.bf16 import bf16_bits_to_f32, round_to_bf16
 from nhil.numerics.mac import mac_bursts
 
@@ -42,6 +47,7 @@ class PimState:
         self.cfr = np.zeros((c, 4), dtype=np.int64)
         self.counts: dict[str, int] = {}
         self.macs = 0
+        self._qcache: dict[tuple[int, int], object] = {}  # (row slot, W_FMT) -> decoded MacOperands of the row
 
     # ------------------------------------------------------------ row table
     def slot(self, row: int, allocate: bool) -> int:
@@ -116,6 +122,10 @@ class PimState:
             bs = slice(None) if op is Op.MAC_AB else slice(ins.bank, ins.bank + 1)
             if op is Op.MAC_SB:
                 self._bank(idx, ins)
+            wf = self.cfr[cs, CFR_W_FMT]
+            if wf.any():
+                self._mac_quantized(idx, ins, cs, bs, s, int(wf[0]) if (wf == wf[0]).all() else -1)
+                return None
             if s < 0:
                 w = np.zeros((cs.stop - cs.start, d.banks if op is Op.MAC_AB else 1, sp.stop - sp.start), np.float32)
             else:
@@ -151,6 +161,7 @@ class PimState:
             sp = self._span(idx, ins._replace(n=1), d.cols, "row")
             p = self._payload(idx, ins, payload, L, np.uint16)
             s = self.slot(ins.row, allocate=True)
+            self.drop_decoded(s)
             lanes = ((ins.imm >> np.arange(L)) & 1).astype(bool)
             seg = self.mem[cs, ins.bank, s, sp]
             seg[:, lanes] = p[lanes]
@@ -162,6 +173,7 @@ class PimState:
             sp = self._span(idx, ins, d.cols, "row")
             p = self._payload(idx, ins, payload, sp.stop - sp.start, np.uint16)
             s = self.slot(ins.row, allocate=True)
+            self.drop_decoded(s)
             self.mem[cs, :, s, sp] = p
             return None
         if op is Op.RD_SBK:
@@ -185,21 +197,56 @@ class PimState:
                 self.gb[cs, sp] = 0 if s < 0 else self.mem[cs, ins.bank, s, sp]
             else:
                 s = self.slot(ins.row, allocate=True)
+                self.drop_decoded(s)
                 self.mem[cs, ins.bank, s, sp] = self.gb[cs, sp]
             return None
         if op is Op.SET_CFR:
             cs = self._chans(idx, ins)
-            if ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
-                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1)")
+            if ins.k == CFR_W_FMT:
+                from nhil.numerics.formats import BY_CODE
+
+                if ins.imm != 0 and ins.imm not in BY_CODE:
+                    raise self._err(idx, ins, f"unknown weight format code 0x{ins.imm:x} for CFR W_FMT (known: 0 bf16, {', '.join(f'0x{c:x} {f.name}' for c, f in sorted(BY_CODE.items()))})")
+            elif ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
+                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1; reg 1 = W_FMT)")
             self.cfr[cs, ins.k] = ins.imm
             return None
         if op in (Op.NOP, Op.SYNC, Op.EOC):
             return None
         raise self._err(idx, ins, "opcode not implemented by the simulator (reserved in ISA v0)")
 
+    # ------------------------------------------------------------ quantized weights
+    def drop_decoded(self, s: int) -> None:
+        """Forget decoded copies of row slot ``s`` (call on every write to it)."""
+        if self._qcache:
+            for key in [k for k in self._qcache if k[0] == s]:
+                del self._qcache[key]
+
+    def _mac_quantized(self, idx: int, ins: Instr, cs: slice, bs: slice, s: int, code: int) -> None:
+        """MAC_AB/MAC_SB with CFR W_FMT != 0: decode the row per the format, then ``mac_bursts_q``."""
+        from nhil.numerics.formats import BY_CODE, mac_bursts_q
+
+        if code < 0:
+            raise self._err(idx, ins, "the addressed channels have different CFR W_FMT values")
+        fmt = BY_CODE[code]
+        d = self.d
+        ops = self._qcache.get((s, code))
+        if ops is None:
+            raw = np.zeros((d.channels, d.banks, d.cols), np.uint16) if s < 0 else self.mem[:, :, s, :]
+            ops = fmt.unpack_row(np.ascontiguousarray(raw, dtype="<u2").view(np.uint8), d.cols)
+            if s >= 0:
+                self._qcache[(s, code)] = ops
+        sub = ops.bursts(ins.col, ins.col + ins.n)
+        pick = lambda x: None if x is None else x[cs, bs]  # noqa: E731
+        sub = type(sub)(sub.e[cs, bs], pick(sub.c1), pick(sub.c2), pick(sub.m))
+        a = bf16_bits_to_f32(self.gb[cs, ins.col * d.lanes : (ins.col + ins.n) * d.lanes])[:, None, :]
+        self.acc[cs, bs, ins.k] = mac_bursts_q(self.acc[cs, bs, ins.k], sub, a)
+        self.macs += sub.e.size
+
     def load_images(self, images) -> None:
         """Write bank images (``BankImage`` list) into fresh state."""
         for img in images:
             s = self.slot(img.row, allocate=True)
+            self.drop_decoded(s)
             if img.data is not None:
                 self.mem[:, :, s, :] = img.data

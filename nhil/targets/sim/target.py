@@ -7,6 +7,7 @@ import numpy as np
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
 from nhil.isa.instr import OPINFO, Op
 from nhil.isa.program import Program
+from nhil.numerics.formats import DEVICE_FORMATS
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.sim.device import PimState
 
@@ -27,11 +28,11 @@ class SimTarget(Target):
         self._digest = ReadbackDigest()
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(0, DEVICE_OPS, frozenset({"bf16"}), self._fixed or (self.state.d if self.state else DEVICE_PRESETS["aim-like"]))
+        return Capabilities(0, DEVICE_OPS, DEVICE_FORMATS, self._fixed or (self.state.d if self.state else DEVICE_PRESETS["aim-like"]))
 
     def load(self, program: Program) -> None:
         dev = self._fixed or program.device
-        check_program_fits(program, Capabilities(0, DEVICE_OPS, frozenset({"bf16"}), dev), self.name)
+        check_program_fits(program, Capabilities(0, DEVICE_OPS, DEVICE_FORMATS, dev), self.name)
         self.state = PimState(dev, reserve_rows=len(program.bank_images) + 8)
         self.state.load_images(program.bank_images)
         self._digest = ReadbackDigest()
@@ -55,6 +56,7 @@ class SimTarget(Target):
 
     def write_row(self, ch: int, bank: int, row: int, data: np.ndarray) -> None:
         s = self.state.slot(row, allocate=True)
+        self.state.drop_decoded(s)
         self.state.mem[ch, bank, s] = data
 
     def trace(self) -> list[SyncRecord]:

@@ -1,0 +1,167 @@
+"""Quantized weights through the compiler and the simulator: bit-exact GEMVs, recipes, load refusals, GGUF native."""
+
+import numpy as np
+import pytest
+
+from nhil.compiler.builder import ProgramBuilder
+from nhil.compiler.quantize import RECIPES, build_plan, parse_recipe
+from nhil.errors import CompileError, LoadError, RunError
+from nhil.isa import DEVICE_PRESETS, Instr, Op, Program
+from nhil.isa.instr import ALL_CH, CFR_W_FMT
+from nhil.numerics.bf16 import f32_to_bf16_bits
+from nhil.numerics.formats import FORMATS, reference_qgemv
+from nhil.runtime.executor import Runner
+from nhil.targets.base import Capabilities, DEVICE_OPS, ResolvedInstr, check_program_fits
+from nhil.targets.sim import SimTarget
+
+
+@pytest.fixture(scope="module")
+def tiny_linears():
+    from nhil.models.llama import build_llama_tiny
+
+    m = build_llama_tiny().model
+    return {n: p.detach().numpy().astype(np.float32) for n, p in m.named_parameters() if p.dim() == 2}
+
+
+def _gemv(dev, w, qt, x0):
+    b = ProgramBuilder(dev)
+    n_out, n_in = w.shape
+    b.buffer("x", n_in)
+    b.buffer("y", n_out)
+    b.host_image("x0", x0)
+    b.host("add", ["x0", "x0"], ["x"])
+    b.gemv(b.place_matrix("w", w, qt=qt), "x", "y")
+    prog = Program.decode(b.finish({"inputs": {}, "outputs": {"y": "y"}}, {"weight_formats": [qt.fmt.name]}).encode())
+    t = SimTarget(device=dev)
+    r = Runner(prog, t)
+    r.reset()
+    r.step(0, 0)
+    return r.bufs["y"].copy(), prog
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_sim_gemv_equals_reference_bit_for_bit_on_llama_tiny_weights(name, tiny_linears):
+    """Every llama-tiny matrix, packed into bank rows, through SET_CFR W_FMT + MAC_AB, equals the format's reference GEMV."""
+    f = FORMATS[name]
+    rng = np.random.default_rng(0)
+    for dev in (DEVICE_PRESETS["rtl-tiny"], DEVICE_PRESETS["fpga-small"]):  # 128-element chunks (several per row) and one chunk
+        for wname, w in tiny_linears.items():
+            qt = f.quantize(w)
+            x0 = rng.normal(size=w.shape[1]).astype(np.float32)
+            y, prog = _gemv(dev, w, qt, x0)
+            ref = reference_qgemv(qt.operands(), f32_to_bf16_bits(2 * x0))
+            assert np.array_equal(y.view(np.uint32), ref.view(np.uint32)), (dev.name, wname)
+            cfr = [i for i in prog.instrs if i.op is Op.SET_CFR]
+            assert [(i.k, i.imm) for i in cfr] == [(CFR_W_FMT, f.code), (CFR_W_FMT, 0)]
+
+
+def test_wider_shape_with_short_last_group_and_many_chunks():
+    dev = DEVICE_PRESETS["rtl-tiny"]
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(2 * dev.slots + 5, 3 * dev.cols + 64)).astype(np.float32)
+    for name in ("int4-g128", "int4-g128-asym", "nvfp4", "q4_1", "mxfp6-e3m2"):
+        qt = FORMATS[name].quantize(w)
+        x0 = rng.normal(size=w.shape[1]).astype(np.float32)
+        y, _ = _gemv(dev, w, qt, x0)
+        assert np.array_equal(y.view(np.uint32), reference_qgemv(qt.operands(), f32_to_bf16_bits(2 * x0)).view(np.uint32)), name
+
+
+def test_recipes_parse_and_overrides():
+    assert parse_recipe("mxfp4:lm_head=bf16,*.down_proj.*=mxfp8") == ("mxfp4", [("lm_head", "bf16"), ("*.down_proj.*", "mxfp8")])
+    with pytest.raises(CompileError, match="unknown weight format"):
+        parse_recipe("int3")
+    with pytest.raises(CompileError, match="pattern"):
+        parse_recipe("mxfp4:lm_head")
+    p = build_plan("mxfp4:lm_head=bf16,*.down_proj.*=mxfp8")
+    p.lm_head = "model.lm_head.weight"
+    assert p.format_for("model.lm_head.weight") == "bf16"
+    assert p.format_for("model.model.layers.3.mlp.down_proj.weight") == "mxfp8-e4m3"
+    assert p.format_for("model.model.layers.3.mlp.up_proj.weight") == "mxfp4"
+    assert set(RECIPES) == {"native", "bf16", "int8", "int4-g128", "fp8-e4m3", "mxfp8", "mxfp6", "mxfp4", "mxint8", "nvfp4", "q8_0", "q4_0", "q4_1"}
+    with pytest.raises(CompileError, match="GGUF"):
+        build_plan("native")
+
+
+def test_bf16_programs_are_unchanged_by_the_quant_path():
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.models.llama import build_llama_tiny
+
+    m = build_llama_tiny().model
+    gm = raise_graph(export_decode(m, 16)[0], "decode").gm
+    dev = DEVICE_PRESETS["fpga-small"]
+    a = lower_decode_graph(gm, dev)
+    b = lower_decode_graph(gm, dev, quant=build_plan("bf16", gm))
+    assert a.instrs == b.instrs and all(np.array_equal(x.data, y.data) if x.data is not None else y.data is None for x, y in zip(a.bank_images, b.bank_images))
+    assert not any(i.op is Op.SET_CFR for i in a.instrs) and a.info["weight_formats"] == ["bf16"]
+    q = lower_decode_graph(gm, dev, quant=build_plan("q4_0:lm_head=bf16", gm))
+    assert q.info["weight_formats"] == ["bf16", "q4_0"] and q.info["quant"]["matrices_per_format"] == {"q4_0": 14, "bf16": 1}
+    assert q.instrs[-2].op is Op.SYNC or any(i.op is Op.SET_CFR and i.imm == 0 for i in q.instrs[-4:])
+
+
+def test_targets_without_the_format_refuse_the_program_at_load():
+    dev = DEVICE_PRESETS["rtl-tiny"]
+    w = np.random.default_rng(0).normal(size=(20, 64)).astype(np.float32)
+    qt = FORMATS["mxfp4"].quantize(w)
+    b = ProgramBuilder(dev)
+    b.buffer("x", 64)
+    b.buffer("y", 20)
+    b.gemv(b.place_matrix("w", w, qt=qt), "x", "y")
+    prog = b.finish({"inputs": {}, "outputs": {}}, {"weight_formats": ["mxfp4"]})
+    with pytest.raises(LoadError, match="does not support weight format.*mxfp4.*supports bf16"):
+        check_program_fits(prog, Capabilities(0, DEVICE_OPS, frozenset({"bf16"}), dev), "rtl")
+    SimTarget(device=dev).load(prog)  # the simulator implements every format
+
+
+def test_unknown_w_fmt_code_is_a_run_error():
+    dev = DEVICE_PRESETS["rtl-tiny"]
+    t = SimTarget(device=dev)
+    t.load(ProgramBuilder(dev).finish({"inputs": {}, "outputs": {}}, {}))
+    with pytest.raises(RunError, match="unknown weight format code"):
+        t.execute([ResolvedInstr(0, Instr(Op.SET_CFR, ALL_CH, k=CFR_W_FMT, imm=0x7777))])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["mxfp8", "q8_0:lm_head=bf16"])
+def test_verify_llama_tiny_quantized_passes(quant, tmp_path):
+    from nhil.verify import VerifyOptions, verify
+
+    rep = verify(VerifyOptions(model="llama-tiny", target="sim", tokens=4, quant=quant, goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
+    assert rep["outcome"] == "PASS", rep.get("error") or rep["checks"]
+    assert rep["quant"]["recipe"] == quant and "QUANT=" in rep["reproducer"]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_native_gguf_blocks_are_in_the_bank_images_unchanged():
+    """QUANT=native on the real llama: every bank row of a Q4_1/Q8_0 linear holds the GGUF file's block bytes."""
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.compiler.quantize import gguf_qk_row_order, hf_name, read_gguf_tensors
+    from nhil.models import get_model
+    from nhil.models.llama import smollm2_gguf_path
+
+    bundle = get_model("llama")
+    gm = raise_graph(export_decode(bundle.model, 16)[0], "decode").gm
+    dev = DEVICE_PRESETS["aim-like"]
+    plan = build_plan("native", gm, gguf_path=smollm2_gguf_path(), model=bundle.model)
+    prog = lower_decode_graph(gm, dev, quant=plan)
+    assert prog.info["quant"]["matrices_per_format"] == {"q4_1": 210, "q8_0": 1}
+    raw = read_gguf_tensors(smollm2_gguf_path())
+    rows = {img.row: img.data for img in prog.bank_images}
+    places = prog.info["quant"]["placements"]
+    cfg = bundle.model.config
+    for cname, qt in plan._cache.items():
+        g = qt.meta["gguf_name"]
+        _, blocks, (n, k) = raw[g]
+        blocks = blocks.reshape(n, -1)
+        if ".attn_q." in g or ".attn_k." in g:
+            blocks = blocks[gguf_qk_row_order(n, cfg.num_attention_heads if ".attn_q." in g else cfg.num_key_value_heads)]
+        p = places[cname]
+        for g_i, rg in enumerate(p["rows"]):
+            o0, o1 = g_i * dev.slots, min(n, (g_i + 1) * dev.slots)
+            for j, r in enumerate(rg):
+                img = np.ascontiguousarray(rows[r].reshape(dev.slots, dev.cols), dtype="<u2").view(np.uint8)
+                e0, e1 = j * p["chunk"], min(k, (j + 1) * p["chunk"])
+                b0, b1 = qt.fmt.blk_bytes * e0 // 32, qt.fmt.blk_bytes * e1 // 32
+                assert np.array_equal(img[: o1 - o0, : b1 - b0], blocks[o0:o1, b0:b1]), (hf_name(cname), r)
