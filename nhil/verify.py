@@ -232,6 +232,33 @@ def _finish(run: "_Run") -> None:
     write_junit(run.dir / "junit.xml", [run.report])
 
 
+def _top_differences(ref: np.ndarray, got: np.ndarray, k: int = 5) -> list[dict]:
+    """The ``k`` largest |ref - got| elements of a [positions, hidden] activation (position, channel, values)."""
+    diff = np.abs(ref.astype(np.float64) - got.astype(np.float64))
+    flat = np.argsort(diff, axis=None)[::-1][:k]
+    out = []
+    for i in flat:
+        p, c = np.unravel_index(i, diff.shape)
+        out.append({"position": int(p), "channel": int(c), "golden": float(ref[p, c]), "target": float(got[p, c]), "abs_diff": float(diff[p, c])})
+    return out
+
+
+def _token_divergence(step: int, ref_logits: np.ndarray, test_logits: np.ndarray, ref_tok: int, test_tok: int, k: int = 5) -> dict:
+    """At the first free-running token that differs (same prefix on both sides): is each side's
+    token in the other's top-k, and the two logit gaps (a near-tie vs a real error)."""
+    ref_top = [int(t) for t in np.argsort(ref_logits)[::-1][:k]]
+    test_top = [int(t) for t in np.argsort(test_logits)[::-1][:k]]
+    return {
+        "step": step,
+        "golden_token": ref_tok,
+        "target_token": test_tok,
+        f"target_token_in_golden_top{k}": test_tok in ref_top,
+        f"golden_token_in_target_top{k}": ref_tok in test_top,
+        "golden_logit_gap": float(ref_logits[ref_tok] - ref_logits[test_tok]),
+        "target_logit_gap": float(test_logits[test_tok] - test_logits[ref_tok]),
+    }
+
+
 def _verify(run: _Run) -> None:
     import torch
 
@@ -371,6 +398,8 @@ def _verify(run: _Run) -> None:
         R["kl_mean"], R["kl_max"] = cmp["kl_mean"], cmp["kl_max"]
         n_agree = sum(a == b for a, b in zip(tf.tokens, golden_tokens))
         fdt = metrics.first_divergent_token(golden_tokens, free.tokens)
+        if fdt is not None and fdt < len(free.tokens):
+            R["first_divergent_token"] = _token_divergence(fdt, gt["logits"].numpy()[fdt], free.logits[fdt], golden_tokens[fdt], free.tokens[fdt])
         run_th = PROFILES[profile].get("run")
         if run_th is None:
             run.check("teacher_forced_top1", all_agree, f"target top-1 equals the golden token at {n_agree}/{len(golden_tokens)} steps")
@@ -398,7 +427,7 @@ def _verify(run: _Run) -> None:
             v = failing(check(profile, "hidden", m))
             row = {"layer": name.removeprefix("act."), "cosine": m["cosine"], "sqnr_db": m["sqnr_db"], "max_abs": m["max_abs"], "rel_l2": m["rel_l2"], "passed": not v}
             if v and first_bad is None:
-                first_bad = {"layer": row["layer"], "violations": [str(x) for x in v]}
+                first_bad = {"layer": row["layer"], "violations": [str(x) for x in v], "top_differences": _top_differences(ref, got)}
             layers.append(row)
         R["layers"] = layers
         R["first_divergent_layer"] = first_bad

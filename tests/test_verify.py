@@ -78,6 +78,9 @@ def test_a_numerics_bug_in_the_target_is_caught_and_localised(dirs, monkeypatch)
     rep = verify(VerifyOptions(model="llama-tiny", target="sim", tokens=4, **dirs))
     assert rep["outcome"] == "MISMATCH"
     assert rep["first_divergent_layer"]["layer"] == "model.layers.0"
+    tops = rep["first_divergent_layer"]["top_differences"]
+    assert len(tops) == 5 and tops[0]["abs_diff"] >= tops[-1]["abs_diff"] > 0
+    assert "First divergent layer: **model.layers.0**" in open(rep["run_dir"] + "/report.md").read()
     assert "reproduce" not in rep  # the CLI prints it; the report carries it as a field
     assert rep["reproducer"].startswith("make verify MODEL=llama-tiny TARGET=sim")
 
@@ -137,3 +140,15 @@ def test_cli_reports_a_truncated_program_without_traceback(tmp_path):
     assert res.returncode == 2
     assert "truncated" in res.stderr and "Traceback" not in res.stderr
     assert str(p) in res.stderr
+
+
+def test_first_divergent_token_reports_top_k_membership_and_gaps():
+    from nhil.verify import _token_divergence
+
+    ref = np.array([0.0, 5.0, 4.9, 1.0, -2.0, 0.5, 3.0])
+    test = np.array([0.0, 4.8, 5.0, 1.0, -2.0, 0.5, 3.0])
+    d = _token_divergence(3, ref, test, ref_tok=1, test_tok=2)
+    assert d["target_token_in_golden_top5"] and d["golden_token_in_target_top5"]
+    assert abs(d["golden_logit_gap"] - 0.1) < 1e-12 and abs(d["target_logit_gap"] - 0.2) < 1e-12
+    far = _token_divergence(0, ref, test, ref_tok=1, test_tok=4)
+    assert not far["target_token_in_golden_top5"]

@@ -218,7 +218,19 @@ def render_markdown(report: dict[str, Any]) -> str:
             out += [f"![{png}]({png})", ""]
     if "first_divergent_layer" in report:
         fdl = report["first_divergent_layer"]
-        out += [f"First divergent layer: **{fdl}**" if fdl is not None else "First divergent layer: none", ""]
+        if fdl is None:
+            out += ["First divergent layer: none", ""]
+        else:
+            out += [f"First divergent layer: **{fdl.get('layer')}**: {'; '.join(fdl.get('violations', []))}", ""]
+            tops = fdl.get("top_differences") or []
+            if tops:
+                out += _table(["position", "channel", "golden", "target", "abs diff"], [[_num(t["position"]), _num(t["channel"]), _num(t["golden"], 6), _num(t["target"], 6), _num(t["abs_diff"], 4)] for t in tops])
+                out.append("")
+    ftd = report.get("first_divergent_token")
+    if ftd:
+        out += ["## First divergent token (free-running)", ""]
+        out += _table(["field", "value"], [[_cell(k), _cell(v)] for k, v in ftd.items()])
+        out.append("")
 
     th = report.get("thresholds") or {}
     if th:
