@@ -230,11 +230,16 @@ def targets() -> None:
     from nhil.targets import available_targets, get_target
 
     for name in available_targets():
+        t = None
         try:
-            caps = get_target(name).capabilities().to_json()
+            t = get_target(name)
+            caps = t.capabilities().to_json()  # the fpga target opens its link (an emulator) to ask the board
             typer.echo(f"{name}: {json.dumps(caps)}")
         except NhilError as e:
             typer.echo(f"{name}: unavailable: {e}")
+        finally:
+            if t is not None:
+                t.close()
 
 
 @app.command()
