@@ -66,7 +66,6 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     b = ProgramBuilder(device)
     buf: dict[str, str] = {}  # node name -> host buffer / image / "$input"
     consts: dict[str, torch.Tensor] = {}
-    layer_of_cache: dict[str, int] = {}
     kv_layouts: dict[int, object] = {}
     outputs: dict[str, str] = {}
     layer_out: dict[int, str] = {}

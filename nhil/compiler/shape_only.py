@@ -223,7 +223,7 @@ def compile_shape_only(config: ShapeConfig | str, device: DeviceConfig | str = "
     b.host("rms_norm", [h, img("model.norm.weight")], [xf], eps=1e-5)
     head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     logits = linear(xf, head, c.vocab_size, H, "linear")
-    outputs = {"logits": logits, "act.model.embed_tokens": f"embedding_1"}
+    outputs = {"logits": logits, "act.model.embed_tokens": "embedding_1"}
     outputs.update({f"act.model.layers.{i}": v for i, v in layer_out.items()})
     row_use = {int(r): list(u) for r, u in b.__dict__.get("row_use", {}).items()}
     active = sum(2 * u[0] * u[1] for u in row_use.values())  # all placed weights (bytes)

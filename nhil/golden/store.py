@@ -22,13 +22,13 @@ import os
 import re
 import struct
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from nhil.errors import GoldenError
+from nhil.util import atomic_write_bytes as _atomic_write_bytes
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -81,26 +81,6 @@ def _git_commit() -> str:
 
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temp file next to ``path``, fsync, then ``os.replace`` it over ``path``.
-
-    On any error the temp file is removed and ``path`` keeps its old content.
-    """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _lock(directory: Path):

@@ -23,37 +23,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
+from nhil.util import atomic_write_text  # noqa: E402  (re-exported: atomic temp-file + rename)
+
 __all__ = ["atomic_write_text", "write_json", "render_markdown", "print_summary", "sqnr_bars"]
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically: temp file in the same directory, fsync, ``os.replace``.
-
-    Readers see the old content or the new, never a partial file; on error the temp
-    file is removed. Creates the parent directory.
-
-    Raises:
-        OSError: the directory is not writable.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _json_safe(obj: Any) -> Any:
@@ -220,6 +195,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         fdl = report["first_divergent_layer"]
         if fdl is None:
             out += ["First divergent layer: none", ""]
+        elif not isinstance(fdl, dict):
+            out += [f"First divergent layer: **{fdl}**", ""]
         else:
             out += [f"First divergent layer: **{fdl.get('layer')}**: {'; '.join(fdl.get('violations', []))}", ""]
             tops = fdl.get("top_differences") or []

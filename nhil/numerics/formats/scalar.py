@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nhil.numerics.formats.base import MacOperands, WeightFormat, check_finite, f32_bytes, f32_field, per_burst, rne_int
+from nhil.numerics.formats.base import MacOperands, WeightFormat, check_finite, f32_bytes, f32_field, rne_int
 from nhil.numerics.formats.minifloat import E4M3FN, E5M2, FP16, MiniFloat
 
 
