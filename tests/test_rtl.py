@@ -21,7 +21,7 @@ from nhil.isa.asm import format_instr
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT
 from nhil.numerics.bf16 import f32_to_bf16_bits
 from nhil.runtime.executor import Runner
-from nhil.targets.base import ResolvedInstr, Target
+from nhil.targets.base import DelegatingTarget, ResolvedInstr, Target
 from nhil.targets.rtl import RTL_OPS, RtlTarget
 from nhil.targets.rtl import build as rtl_build
 from nhil.targets.sim import SimTarget
@@ -62,15 +62,12 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-class Recorder(Target):
+class Recorder(DelegatingTarget):
     """Wraps a target and records every block with its readbacks (for locating differences)."""
 
     def __init__(self, inner: Target) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.log: list[tuple[list[ResolvedInstr], list[np.ndarray]]] = []
-
-    def capabilities(self):
-        return self.inner.capabilities()
 
     def load(self, program):
         self.inner.load(program)
@@ -80,15 +77,6 @@ class Recorder(Target):
         out = self.inner.execute(block)
         self.log.append((block, [o.copy() for o in out]))
         return out
-
-    def read_row(self, ch, bank, row):
-        return self.inner.read_row(ch, bank, row)
-
-    def write_row(self, ch, bank, row, data):
-        self.inner.write_row(ch, bank, row, data)
-
-    def trace(self):
-        return self.inner.trace()
 
 
 def first_difference(prog, a: Recorder, b: Recorder) -> str | None:

@@ -139,6 +139,42 @@ class Target(abc.ABC):
         return {}
 
 
+class DelegatingTarget(Target):
+    """A target that forwards every call to ``inner``; wrappers (lockstep checks, timers,
+    recorders) subclass it and override only what they add."""
+
+    def __init__(self, inner: Target) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def open(self) -> None:
+        self.inner.open()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities()
+
+    def load(self, program: Program) -> None:
+        self.inner.load(program)
+
+    def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
+        return self.inner.execute(block)
+
+    def read_row(self, ch: int, bank: int, row: int) -> np.ndarray:
+        return self.inner.read_row(ch, bank, row)
+
+    def write_row(self, ch: int, bank: int, row: int, data: np.ndarray) -> None:
+        self.inner.write_row(ch, bank, row, data)
+
+    def trace(self) -> list[SyncRecord]:
+        return self.inner.trace()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
 def check_program_fits(program: Program, caps: Capabilities, target: str) -> None:
     """Refuse a program a target cannot run, naming what is missing.
 

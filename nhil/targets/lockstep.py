@@ -17,7 +17,7 @@ from nhil.errors import NhilError
 from nhil.isa.asm import format_instr
 from nhil.isa.instr import OPINFO, Op
 from nhil.isa.program import Program
-from nhil.targets.base import Capabilities, ResolvedInstr, SyncRecord, Target
+from nhil.targets.base import DelegatingTarget, ResolvedInstr, Target
 from nhil.targets.sim import SimTarget
 
 
@@ -31,10 +31,11 @@ class Mismatch(NhilError):
         self.detail = detail
 
 
-class LockstepTarget(Target):
+class LockstepTarget(DelegatingTarget):
     """Wraps ``dut`` and checks it against the simulator at every SYNC (see module docstring)."""
 
     def __init__(self, dut: Target, stop_on_mismatch: bool = True) -> None:
+        super().__init__(dut)
         self.dut = dut
         self.ref = SimTarget()
         self.name = f"{dut.name}+sim-lockstep"
@@ -43,15 +44,6 @@ class LockstepTarget(Target):
         self.first_mismatch: dict | None = None
         self.syncs_compared = 0
         self.readbacks_compared = 0
-
-    def open(self) -> None:
-        self.dut.open()
-
-    def close(self) -> None:
-        self.dut.close()
-
-    def capabilities(self) -> Capabilities:
-        return self.dut.capabilities()
 
     def load(self, program: Program) -> None:
         self.program = program
@@ -101,15 +93,9 @@ class LockstepTarget(Target):
                 detail,
             )
 
-    def read_row(self, ch, bank, row):
-        return self.dut.read_row(ch, bank, row)
-
     def write_row(self, ch, bank, row, data):
         self.dut.write_row(ch, bank, row, data)
         self.ref.write_row(ch, bank, row, data)
-
-    def trace(self) -> list[SyncRecord]:
-        return self.dut.trace()
 
     def stats(self) -> dict:
         s = dict(self.dut.stats())

@@ -33,49 +33,24 @@ import time
 
 import numpy as np
 
-from nhil.targets.base import ResolvedInstr, Target
+from nhil.targets.base import DelegatingTarget, ResolvedInstr, Target
 
 TINY_STEPS = 4
 LLAMA_STEPS = 2
 
 
-class _Timed(Target):
-    """Forwards to a target; adds up ``execute`` wall time, cycles-free MAC count per block."""
+class _Timed(DelegatingTarget):
+    """Forwards to a target; adds up ``execute`` wall time."""
 
     def __init__(self, inner: Target) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.exec_s = 0.0
-
-    def open(self):
-        self.inner.open()
-
-    def close(self):
-        self.inner.close()
-
-    def capabilities(self):
-        return self.inner.capabilities()
-
-    def load(self, program):
-        self.inner.load(program)
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         t0 = time.perf_counter()
         out = self.inner.execute(block)
         self.exec_s += time.perf_counter() - t0
         return out
-
-    def read_row(self, ch, bank, row):
-        return self.inner.read_row(ch, bank, row)
-
-    def write_row(self, ch, bank, row, data):
-        self.inner.write_row(ch, bank, row, data)
-
-    def trace(self):
-        return self.inner.trace()
-
-    def stats(self):
-        return self.inner.stats()
 
 
 def _say(msg: str) -> None:
