@@ -36,6 +36,13 @@ class LoadError(NhilError):
     outcome = "LOAD_FAIL"
 
 
+class NotClaimed(NhilError):
+    """The target does not claim what the program needs (an opcode or weight format missing
+    from its ``capabilities()``): the run is SKIPPED, which is never counted as a pass."""
+
+    outcome = "SKIPPED"
+
+
 class RunError(NhilError):
     """A target failed while executing a program (bad address at run time, device error)."""
 

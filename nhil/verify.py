@@ -351,6 +351,15 @@ def _verify(run: _Run) -> None:
         "device": device.name,
     }
 
+    from nhil.targets.base import unclaimed
+
+    missing = unclaimed(program, target.capabilities())
+    if missing:
+        from nhil.errors import NotClaimed
+
+        target.close()
+        raise NotClaimed(f"not claimed: target {o.target} does not implement {', '.join(missing)} (its capabilities() list what it claims; "
+                         f"`nhil targets` shows them); the run is skipped, not passed")
     dut = LockstepTarget(target) if (o.lockstep and o.target != "sim") else target
     with dut:
         runner = Runner(program, dut)

@@ -165,3 +165,20 @@ def test_native_gguf_blocks_are_in_the_bank_images_unchanged():
                 e0, e1 = j * p["chunk"], min(k, (j + 1) * p["chunk"])
                 b0, b1 = qt.fmt.blk_bytes * e0 // 32, qt.fmt.blk_bytes * e1 // 32
                 assert np.array_equal(img[: o1 - o0, : b1 - b0], blocks[o0:o1, b0:b1]), (hf_name(cname), r)
+
+
+@pytest.mark.rtl
+def test_verify_of_a_format_the_target_does_not_claim_is_skipped_not_passed(tmp_path):
+    """RTL claims bf16 only (capabilities()); an int8 program is SKIPPED with 'not claimed', exit != PASS."""
+    from nhil.targets import get_target
+    from nhil.verify import VerifyOptions, verify
+
+    t = get_target("rtl")
+    try:
+        assert "int8" not in t.capabilities().formats  # the premise: if RTL gains int8, pick another format
+    finally:
+        t.close()
+    rep = verify(VerifyOptions(model="llama-tiny", target="rtl", tokens=2, quant="int8", goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
+    assert rep["outcome"] == "SKIPPED"
+    assert rep["error"].startswith("not claimed: target rtl does not implement weight format int8")
+    assert rep["as_expected"] is False  # no manifest row expects it: a skip is never a silent pass

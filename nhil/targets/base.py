@@ -175,6 +175,18 @@ class DelegatingTarget(Target):
         return self.inner.stats()
 
 
+def unclaimed(program: Program, caps: Capabilities) -> list[str]:
+    """What ``program`` needs that a target's ``caps`` do not claim: opcodes and weight formats.
+
+    Returns:
+        ``["opcode RD_ACC", "weight format int8", ...]``; empty when the target claims all of it.
+        (Device size mismatches are not "unclaimed": recompiling for the target's device fixes them.)
+    """
+    need = sorted(o.name for o in program.required_ops() - set(caps.ops))
+    fmts = sorted(set(program.info.get("weight_formats", ["bf16"])) - set(caps.formats))
+    return [f"opcode {n}" for n in need] + [f"weight format {f}" for f in fmts]
+
+
 def check_program_fits(program: Program, caps: Capabilities, target: str) -> None:
     """Refuse a program a target cannot run, naming what is missing.
 
