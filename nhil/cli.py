@@ -24,12 +24,15 @@ def _fail(e: NhilError) -> None:
 
 
 @app.command()
-def models(coverage: bool = typer.Option(False, help="measure and print the per-architecture coverage table (export/raise/lower/sim verify; minutes)")) -> None:
+def models(
+    coverage: bool = typer.Option(False, help="measure and print the per-architecture coverage table (export/raise/lower/verify; minutes)"),
+    targets: str = typer.Option("sim", help="with --coverage: comma-separated targets to verify on (sim,rtl,fpga)"),
+) -> None:
     """List registered models."""
     if coverage:
-        from nhil.coverage import coverage_table, format_rows
+        from nhil.coverage import DEFAULT_MODELS, coverage_table, format_rows
 
-        typer.echo(format_rows(coverage_table()))
+        typer.echo(format_rows(coverage_table(DEFAULT_MODELS, tuple(t for t in targets.split(",") if t))))
         return
     from nhil.models import list_models
 

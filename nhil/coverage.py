@@ -11,8 +11,9 @@
 4. ``verify`` on the ``sim`` target (8 tokens, fp32 eager golden, teacher-forced +
    free-running greedy), recording outcome, top-1 agreement and worst SQNR.
 
-rtl / fpga columns are "not run" unless asked for (``targets=``): the coverage table
-never reports a target as passing that was not run.
+rtl / fpga columns are "not run" unless asked for (``targets=``, ``--targets sim,rtl,fpga``);
+a target whose ``capabilities()`` lack something the program needs shows "not claimed (...)":
+the coverage table never reports a target as passing that was not run or not claimed.
 
 ``python -m nhil.coverage --write docs/architectures.md`` regenerates the docs table.
 """
@@ -134,7 +135,14 @@ def coverage_row(name: str, targets: tuple[str, ...] = ("sim",), tokens: int = 8
         steps = rep.get("steps") or []
         top1 = sum(bool(s.get("top1_agree")) for s in steps)
         sq = min((s["sqnr_db"] for s in steps if s.get("sqnr_db") is not None), default=float("nan"))
-        setattr(row, target, rep["outcome"])
+        out = rep["outcome"]
+        if out == "SKIPPED":  # the target's capabilities() do not claim something the program needs
+            out = "not claimed (" + (rep.get("error") or "").split("does not implement ", 1)[-1].split(" (")[0] + ")"
+        elif out != "PASS" and target != "sim":
+            out += f" ({(rep.get('error') or '')[:100]})"
+        elif out == "PASS" and target != "sim":
+            out += " (bit-identical to sim)" if any(c["name"].startswith("bit_identical") and c["passed"] for c in rep["checks"]) else ""
+        setattr(row, target, out)
         if target == "sim":
             row.sim_detail = f"top-1 {top1}/{len(steps)}, worst SQNR {sq:.1f} dB" if steps else (rep.get("error") or "")[:160]
     row.seconds = round(time.perf_counter() - t0, 1)
@@ -169,7 +177,8 @@ def render_markdown(rows: list[dict], stamp: str | None = None, commit: str | No
         unr = ", ".join(r["unraised"]) or "none"
         sim = r["sim"] + (f" ({r['sim_detail']})" if r["sim_detail"] else "")
         out.append(f"| {r['model']} | {r['export_prefill']} / {r['export_decode']} | {r['raise_prefill']} / {r['raise_decode']} | {prims} | {unr} | {r['lower']} | {sim} | {r['rtl']} | {r['fpga']} |")
-    return f"Measured {stamp} at commit `{commit}` by `nhil models --coverage` (tiny seeded configs, 8 decoded tokens).\n\n" + "\n".join(out) + "\n"
+    ran = [t for t in ("sim", "rtl", "fpga") if any(r[t] != "not run" for r in rows)]
+    return f"Measured {stamp} at commit `{commit}` by `nhil models --coverage --targets {','.join(ran) or 'sim'}` (tiny seeded configs, 8 decoded tokens).\n\n" + "\n".join(out) + "\n"
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -178,6 +187,9 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         ex = f"{'ok' if r['export_prefill'] == 'ok' else 'FAIL'}/{'ok' if r['export_decode'] == 'ok' else 'FAIL'}"
         lines.append(f"{r['model']:12s} {ex:10s} {r['raise_decode'][:34]:34s} {r['lower'][:18]:18s} {r['sim']} {r['sim_detail']}")
+        for t in ("rtl", "fpga"):
+            if r[t] != "not run":
+                lines.append(f"{'':12s} {t}: {r[t]}")
         if r["unraised"]:
             lines.append(f"{'':12s} unraised: {', '.join(r['unraised'])[:200]}")
     return "\n".join(lines)
@@ -188,9 +200,10 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--targets", default="sim", help="comma-separated targets to verify on (sim,rtl,fpga); others stay 'not run'")
     ap.add_argument("--write", type=Path, help="rewrite the generated table in this markdown file (docs/architectures.md)")
     a = ap.parse_args(argv)
-    rows = coverage_table(tuple(m for m in a.models.split(",") if m))
+    rows = coverage_table(tuple(m for m in a.models.split(",") if m), tuple(t for t in a.targets.split(",") if t))
     print(format_rows(rows))
     if a.write:
         write_doc(a.write, rows)
