@@ -9,7 +9,8 @@ Algorithm (linear in the number of nodes):
 2. Dead nodes (no path to the output or to an in-place op) are ignored.
 3. The remaining ops are grouped into *regions*: connected components of ops that share
    the same innermost ``nn_module_stack`` entry (module path + class).
-4. Regions are visited in graph order of their last node. A handler chosen by the module
+4. Regions are visited in dependency order, ties by graph order of their last node
+   (``Raiser._topological``). A handler chosen by the module
    class (``raise_handlers.HANDLERS``) checks the region's exact ATen op sequence and
    argument data flow (``raise_match``) or, for integer/bool index arithmetic (positions,
    causal masks), evaluates it exhaustively over every cache position; it then emits
