@@ -4,7 +4,9 @@ Each primitive has a *reference kernel*, which is its numerics definition, and a
 kernel* (shapes/dtypes only, for ``FakeTensorProp`` and export). The reference kernels
 use the same torch ops in the same order as transformers 5.24's Llama code
 (``transformers/models/llama/modeling_llama.py``, ``integrations/sdpa_attention.py``,
-``masking_utils.py``) as they appear in the exported ATen graph, so a raised graph is
+``masking_utils.py``; GPT-2's ``modeling_gpt2.py``, ``pytorch_utils.Conv1D`` and
+``activations.NewGELUActivation`` for ``layer_norm`` / ``gelu`` / ``pos_embedding`` and the
+Conv1D ``linear``) as they appear in the exported ATen graph, so a raised graph is
 bit-identical to the exported one.
 
 Layout convention: activations are token-major ``[B, S, features]``; multi-head tensors

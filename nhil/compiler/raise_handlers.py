@@ -3,7 +3,9 @@
 Sources of the patterns: transformers 5.24 ``models/llama/modeling_llama.py`` (RMSNorm,
 rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``, attention, MLP, decoder layer),
 ``integrations/sdpa_attention.py``, ``masking_utils.py`` (causal mask), ``cache_utils.py``
-(StaticCache ``index_copy_``) and ``integrations/executorch.py`` (decode wrapper); the
+(StaticCache ``index_copy_``) and ``integrations/executorch.py`` (decode wrapper); GPT-2:
+``models/gpt2/modeling_gpt2.py`` (GPT2Model positions, GPT2Attention, GPT2Block),
+``pytorch_utils.Conv1D``, ``activations.NewGELUActivation``, ``torch.nn.LayerNorm``; the
 op sequences are those torch 2.13's ``torch.export`` records for them.
 """
 
