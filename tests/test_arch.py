@@ -13,7 +13,7 @@ from nhil.compiler import export_decode, export_prefill, raise_graph
 from nhil.models import get_model
 
 nhil = torch.ops.nhil
-DENSE = ["mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3"]
+DENSE = ["mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3", "gpt2"]
 
 
 def _attn_nodes(gm):
@@ -32,6 +32,10 @@ EXPECT = {
     "gemma2": lambda r: [n.args[9:11] for n in _attn_nodes(r.gm)] == [(8, 50.0), (None, 50.0)] and r.counts["nhil::softcap"] == 1
     and r.counts["nhil::gelu_mul"] == 2,
     "gemma3": lambda r: [n.args[9:10] for n in _attn_nodes(r.gm)] == [(8,), ()] and r.counts["nhil::rope_cos_sin"] == 2,
+    # LayerNorm, gelu_new, learned positions, MHA (4 q = 4 kv heads) without RoPE, Conv1D + bias
+    "gpt2": lambda r: r.counts["nhil::layer_norm"] == 5 and r.counts["nhil::gelu"] == 2 and r.counts["nhil::pos_embedding"] == 1
+    and "nhil::rope" not in r.counts and all(n.args[6:8] == (4, 4) for n in _attn_nodes(r.gm))
+    and sum(1 for n in r.gm.graph.nodes if n.target == nhil.linear.default and n.args[2] is not None) == 8,
 }
 
 

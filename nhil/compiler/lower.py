@@ -1,8 +1,8 @@
 """Lowering: graph IR (raised FX graph of ``nhil::*`` primitives) -> PIM program.
 
 Partition (CENT / AttAcc / NeuPIMs): every ``nhil::linear`` (decode GEMV, incl. the LM
-head) and decode attention's q·Kᵀ and p·V run on the PIM device; embedding, RMSNorm,
-RoPE, softmax, SwiGLU gating and residual adds run as host kernels
+head) and decode attention's q·Kᵀ and p·V run on the PIM device; embedding (and learned
+position embeddings), RMSNorm / LayerNorm, RoPE, softmax, SwiGLU / GELU and residual adds run as host kernels
 (``nhil.runtime.host_kernels``), which call the same ``nhil::*`` reference kernels the
 graph IR runs, so host numerics equal the graph IR's.
 
@@ -177,6 +177,23 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             g, u = node.args[:2]
             b.buffer(out, _numel(node))
             b.host("gelu_mul", [arg_buf(g), arg_buf(u)], [out], approximate=str(node.args[2]) if len(node.args) > 2 else "tanh")
+        elif op == "layer_norm":  # LayerNorm on the host (GPT-2)
+            x, w, bias, eps = node.args
+            ins = [arg_buf(x)]
+            for t in (w, bias):
+                if t is not None:
+                    ins.append(b.host_image(const_name(t), consts[t.name]))
+            b.buffer(out, _numel(node))
+            b.host("layer_norm", ins, [out], eps=float(eps), has_weight=w is not None, has_bias=bias is not None)
+        elif op == "gelu":  # GELU (no gating) on the host
+            x = node.args[0]
+            b.buffer(out, _numel(node))
+            b.host("gelu", [arg_buf(x)], [out], variant=str(node.args[1]) if len(node.args) > 1 else "gelu_new")
+        elif op == "pos_embedding":  # learned absolute positions: x + table[$pos] on the host
+            x, table, _pos = node.args
+            b.host_image(const_name(table), consts[table.name])
+            b.buffer(out, _numel(node))
+            b.host("pos_embedding", [arg_buf(x), const_name(table), "$pos"], [out])
         elif op == "softcap":  # final-logit soft-cap on the host
             x, cap = node.args
             b.buffer(out, _numel(node))
@@ -189,7 +206,7 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             a1, a2 = node.args
             b.buffer(out, _numel(node))
             b.host("add", [arg_buf(a1), arg_buf(a2)], [out])
-            m = re.search(r"(?:^|\.)layers\.(\d+)$", path)
+            m = re.search(r"(?:^|\.)(?:layers|h)\.(\d+)$", path)  # decoder layer l (GPT-2: transformer.h.l)
             if m:
                 layer_out[int(m.group(1))] = out
         elif op == "moe":  # router GEMV on PIM, routing on the host, only routed experts issued (lower_moe)

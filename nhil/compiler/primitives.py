@@ -4,7 +4,9 @@ Each primitive has a *reference kernel*, which is its numerics definition, and a
 kernel* (shapes/dtypes only, for ``FakeTensorProp`` and export). The reference kernels
 use the same torch ops in the same order as transformers 5.24's Llama code
 (``transformers/models/llama/modeling_llama.py``, ``integrations/sdpa_attention.py``,
-``masking_utils.py``) as they appear in the exported ATen graph, so a raised graph is
+``masking_utils.py``; GPT-2's ``modeling_gpt2.py``, ``pytorch_utils.Conv1D`` and
+``activations.NewGELUActivation`` for ``layer_norm`` / ``gelu`` / ``pos_embedding`` and the
+Conv1D ``linear``) as they appear in the exported ATen graph, so a raised graph is
 bit-identical to the exported one.
 
 Layout convention: activations are token-major ``[B, S, features]``; multi-head tensors
@@ -13,6 +15,8 @@ the q/k/v/o projections. All float tensors are fp32.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,9 @@ _SCHEMAS = {
     ),
     "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
     "add": "add(Tensor a, Tensor b) -> Tensor",
+    "layer_norm": "layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor",
+    "gelu": "gelu(Tensor x, str variant='gelu_new') -> Tensor",
+    "pos_embedding": "pos_embedding(Tensor x, Tensor table, Tensor position_ids) -> Tensor",
     "moe": (
         "moe(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int num_experts, int top_k, "
         "str score_func='softmax', bool norm_topk_prob=True, str act='silu') -> Tensor"
@@ -120,8 +127,70 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim=Non
 
 @_impl("linear")
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [B,S,K] @ weight[N,K]^T (+ bias[N]) -> [B,S,N] (torch.nn.functional.linear)."""
+    """x [B,S,K] @ weight[N,K]^T (+ bias[N]) -> [B,S,N] (torch.nn.functional.linear).
+
+    GPT-2's ``Conv1D`` (pytorch_utils.Conv1D: ``addmm(bias, x.view(-1, K), W).view(..., N)``
+    with W [K,N]) is raised to this primitive with ``weight = W.t()``, the transposed
+    *view* of the [K,N] parameter (strides (1, N), no copy). For a contiguous 3-D / 2-D
+    input with a bias, ``F.linear`` computes ``addmm(bias, x2d, weight.t())`` and
+    ``weight.t()`` is then W itself, so the BLAS call is Conv1D's and the result is bit
+    for bit the same. A contiguous copy of Wᵀ is *not*: it changes the BLAS call
+    (measured with torch 2.13 CPU: differences up to 5e-5 for 768x2304 weights, 3e-6
+    for 256x64 with 5 rows).
+    """
     return F.linear(x, weight, bias)
+
+
+@_impl("layer_norm")
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim: x [B,S,H] fp32, weight/bias [H] (or None) -> [B,S,H].
+
+    ``F.layer_norm(x, (H,), weight, bias, eps)``: torch.nn.LayerNorm.forward, which the
+    export records as one ``aten.layer_norm`` (GPT-2 ``ln_1`` / ``ln_2`` / ``ln_f``).
+    Biased variance, eps inside the square root: ``(x - mean) / sqrt(var + eps) * w + b``.
+    """
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+GELU_VARIANTS = ("gelu_new", "tanh", "none")
+
+
+@_impl("gelu")
+def gelu_ref(x: torch.Tensor, variant: str = "gelu_new") -> torch.Tensor:
+    """GELU activation (no gating): x [B,S,I] -> [B,S,I].
+
+    ``variant``:
+
+    * ``gelu_new``: the tanh approximation *spelled out* as transformers'
+      ``activations.NewGELUActivation`` (GPT-2 ``activation_function="gelu_new"``):
+      ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3))))``, the same ops in
+      the same order (``pow`` then ``mul`` ..., as recorded by the export). It is not
+      bit-identical to ``F.gelu(approximate="tanh")``, which fuses the formula.
+    * ``tanh``: ``F.gelu(x, approximate="tanh")`` (``GELUTanh`` / ``gelu_pytorch_tanh``).
+    * ``none``: exact erf GELU ``F.gelu(x)`` (``GELUActivation``).
+
+    Raises:
+        ValueError: unknown variant.
+    """
+    if variant == "gelu_new":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if variant in ("tanh", "none"):
+        return F.gelu(x, approximate=variant)
+    raise ValueError(f"gelu variant {variant!r} is not supported ({', '.join(GELU_VARIANTS)})")
+
+
+@_impl("pos_embedding")
+def pos_embedding_ref(x: torch.Tensor, table: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Learned absolute positions: ``x + table[position_ids]``.
+
+    x [B,S,H] fp32 (token embeddings), table [P,H] fp32 (GPT-2 ``wpe``), position_ids
+    [B,S] int64 (or [S], read as [1,S]) -> [B,S,H]. Source: modeling_gpt2.GPT2Model.forward
+    ``inputs_embeds + self.wpe(position_ids)`` (aten.embedding then aten.add).
+
+    Raises:
+        IndexError: a position beyond the table (``F.embedding``'s error).
+    """
+    return x + F.embedding(_positions_2d(position_ids), table)
 
 
 def _positions_2d(position_ids: torch.Tensor) -> torch.Tensor:
@@ -428,6 +497,21 @@ def _silu_mul_fake(gate, up):
 @_fake("add")
 def _add_fake(a, b):
     return torch.empty_like(a)
+
+
+@_fake("layer_norm")
+def _layer_norm_fake(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+@_fake("gelu")
+def _gelu_fake(x, variant="gelu_new"):
+    return torch.empty_like(x)
+
+
+@_fake("pos_embedding")
+def _pos_embedding_fake(x, table, position_ids):
+    return torch.empty_like(x)
 
 
 @_fake("moe")

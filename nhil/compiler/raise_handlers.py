@@ -3,12 +3,15 @@
 Sources of the patterns: transformers 5.24 ``models/llama/modeling_llama.py`` (RMSNorm,
 rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``, attention, MLP, decoder layer),
 ``integrations/sdpa_attention.py``, ``masking_utils.py`` (causal mask), ``cache_utils.py``
-(StaticCache ``index_copy_``) and ``integrations/executorch.py`` (decode wrapper); the
+(StaticCache ``index_copy_``) and ``integrations/executorch.py`` (decode wrapper); GPT-2:
+``models/gpt2/modeling_gpt2.py`` (GPT2Model positions, GPT2Attention, GPT2Block),
+``pytorch_utils.Conv1D``, ``activations.NewGELUActivation``, ``torch.nn.LayerNorm``; the
 op sequences are those torch 2.13's ``torch.export`` records for them.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable
 
@@ -150,9 +153,52 @@ def h_static_cache_wrapper(ctx: Ctx) -> None:
     ctx.set(b["copy"], Marker("cache_pos0", ctx.value(cp)))
 
 
+def _is_position_ids(v) -> bool:
+    """Whether graph-IR value ``v`` is the position ids :func:`h_index_arith` maps them to
+    (decode: the ``cache_position`` input; prefill: the folded ``position_ids`` constant)."""
+    return isinstance(v, fx.Node) and ((v.op == "placeholder" and v.target == "cache_position") or (v.op == "get_attr" and v.target == "position_ids"))
+
+
 def h_embedding(ctx: Ctx) -> None:
+    """nn.Embedding -> nhil.embedding; a lookup of the *position ids* (GPT-2 ``wpe``) becomes
+    Marker('pos_embedding', (table, position_ids)), consumed by the Model's add
+    (:func:`h_gpt2_model` -> nhil.pos_embedding)."""
     b = ctx.match([_one(aten.embedding.default, (V("table"), V("ids"))), _one(aten.embedding.default, (V("table"), V("ids"), V("pad")))])
-    ctx.set(b["out"], ctx.emit(nhil.embedding.default, ctx.param(b["table"]), ctx.tensor(b["ids"])))
+    ids = ctx.tensor(b["ids"])
+    if _is_position_ids(ids):
+        if "pad" in b and b["pad"] != -1:
+            raise Mismatch(ctx.nodes[0], "a position embedding with a padding index is not supported")
+        ctx.set(b["out"], Marker("pos_embedding", (ctx.param(b["table"]), ids)))
+        return
+    ctx.set(b["out"], ctx.emit(nhil.embedding.default, ctx.param(b["table"]), ids))
+
+
+CONV1D = [
+    ("x2", aten.view.default, (V("x"), [-1, V("K")]), None),
+    ("mm", aten.addmm.default, (V("bias"), V("x2"), V("w")), None),
+    ("out", aten.view.default, (V("mm"), V("shape")), None),
+]
+
+
+def h_conv1d(ctx: Ctx) -> None:
+    """GPT-2 ``Conv1D`` (pytorch_utils.Conv1D: ``addmm(bias, x.view(-1, K), W).view(..., N)``,
+    W [K,N]) -> nhil.linear(x, Wᵀ, bias).
+
+    Wᵀ is the transposed *view* of the [K,N] parameter (no copy; constant
+    ``<state-dict name>_t``), which makes ``F.linear`` issue Conv1D's exact addmm (see
+    ``primitives.linear_ref``); the raised graph stays bit-exact.
+    """
+    b = ctx.match([CONV1D])
+    xv, wv, bv = _val(b["x"]), _val(b["w"]), _val(b["bias"])
+    if not (isinstance(b["K"], int) and xv.dtype == torch.float32 and xv.shape[-1] == b["K"] and wv.dim() == 2 and wv.shape[0] == b["K"]
+            and bv is not None and bv.dim() == 1 and bv.shape[0] == wv.shape[1] and list(b["shape"]) == [*xv.shape[:-1], wv.shape[1]]):
+        raise Mismatch(ctx.nodes[0], f"Conv1D shapes do not fit: x {tuple(xv.shape)}, weight {tuple(wv.shape)}, output view {b['shape']}")
+    w = ctx.r.canon(b["w"])
+    if w.op != "placeholder" or w.name not in ctx.r.fqn:
+        raise Mismatch(ctx.nodes[0], "Conv1D weight must be a parameter")
+    fqn = ctx.r.fqn[w.name]
+    wt = ctx.const(f"{fqn}_t", torch.nn.Parameter(ctx.r.state_tensor(fqn).t(), requires_grad=False))
+    ctx.set(b["out"], ctx.emit(nhil.linear.default, ctx.tensor(b["x"]), wt, ctx.param(b["bias"])))
 
 
 def h_linear(ctx: Ctx) -> None:
@@ -200,6 +246,49 @@ def h_rms_norm(ctx: Ctx) -> None:
     if i == 1:
         extra = (extra[0] if extra else None, True)
     ctx.set(b["out"], ctx.emit(nhil.rms_norm.default, x, w, b["eps"], *extra))
+
+
+LAYER_NORM = _one(aten.layer_norm.default, (V("x"), [V("H")], V("w"), V("bias"), V("eps"), False))
+
+
+def h_layer_norm(ctx: Ctx) -> None:
+    """torch.nn.LayerNorm (one ``aten.layer_norm``) -> nhil.layer_norm (GPT-2 ln_1 / ln_2 / ln_f)."""
+    b = ctx.match([LAYER_NORM])
+    xv = _val(b["x"])
+    if xv.dtype != torch.float32 or not isinstance(b["eps"], float) or b["H"] != xv.shape[-1]:
+        raise Mismatch(ctx.nodes[0], "LayerNorm must normalise the last dim of an fp32 input with a float eps")
+    args = []
+    for k in ("w", "bias"):
+        if b[k] is None:
+            args.append(None)
+            continue
+        t = _val(b[k])
+        if t.dim() != 1 or t.shape[0] != b["H"]:
+            raise Mismatch(ctx.nodes[0], f"LayerNorm {k} must be 1-D over the normalised dim")
+        args.append(ctx.param(b[k]))
+    ctx.set(b["out"], ctx.emit(nhil.layer_norm.default, ctx.tensor(b["x"]), *args, b["eps"]))
+
+
+# transformers activations.NewGELUActivation ("gelu_new"), as torch.export records it
+GELU_NEW = [
+    ("half", aten.mul.Tensor, (V("x"), 0.5), None),
+    ("cube", aten.pow.Tensor_Scalar, (V("x"), 3.0), None),
+    ("kc", aten.mul.Tensor, (V("cube"), 0.044715), None),
+    ("inner", aten.add.Tensor, (V("x"), V("kc")), None),
+    ("scaled", aten.mul.Tensor, (V("inner"), V("c")), None),
+    ("t", aten.tanh.default, (V("scaled"),), None),
+    ("t1", aten.add.Tensor, (V("t"), 1.0), None),
+    ("out", aten.mul.Tensor, (V("half"), V("t1")), None),
+]
+
+
+def h_gelu_new(ctx: Ctx) -> None:
+    """NewGELUActivation (spelled-out tanh GELU) -> nhil.gelu(x, 'gelu_new'); the constant
+    must be exactly ``math.sqrt(2.0 / math.pi)``."""
+    b = ctx.match([GELU_NEW])
+    if b["c"] != math.sqrt(2.0 / math.pi) or _val(b["x"]).dtype != torch.float32:
+        raise Mismatch(ctx.nodes[4], f"gelu_new needs an fp32 input and the constant sqrt(2/pi), got {b['c']}")
+    ctx.set(b["out"], ctx.emit(nhil.gelu.default, ctx.tensor(b["x"]), "gelu_new"))
 
 
 ROPE_COS_SIN = [
@@ -425,6 +514,30 @@ def h_index_arith(ctx: Ctx) -> None:
             ctx.set(o, ctx.const("position_ids", t.clone()))
 
 
+def h_gpt2_model(ctx: Ctx) -> None:
+    """GPT2Model glue (modeling_gpt2.GPT2Model.forward): the shape-identity views
+    ``input_ids.view(-1, S)`` and ``hidden.view(output_shape)`` (-> the input value), the
+    learned-position add ``inputs_embeds + wpe(position_ids)`` (-> nhil.pos_embedding; the
+    ``wpe`` lookup is a Marker from :func:`h_embedding`), and otherwise the position / mask
+    index arithmetic (:func:`h_index_arith`)."""
+    n = ctx.nodes[0]
+    if len(ctx.nodes) == 1 and n.target == aten.view.default:
+        b = ctx.match([_one(aten.view.default, (V("x"), V("shape")))])
+        if tuple(_val(b["x"]).shape) != tuple(_val(b["out"]).shape):
+            raise Mismatch(n, f"view {b['shape']} changes the shape {tuple(_val(b['x']).shape)}")
+        ctx.set(b["out"], ctx.value(b["x"]))
+        return
+    if len(ctx.nodes) == 1 and n.target == aten.add.Tensor and isinstance(n.args[1], fx.Node) and isinstance(ctx.value(n.args[1]), Marker):
+        b = ctx.match([_one(aten.add.Tensor, (V("x"), V("pe")))])
+        table, pos = ctx.marker(b["pe"], "pos_embedding").data
+        xv, pv = _val(b["x"]), _val(b["pe"])
+        if not (xv.dtype == pv.dtype == torch.float32 and xv.dim() == 3 and tuple(xv.shape) == tuple(pv.shape)):
+            raise Mismatch(n, f"position-embedding add needs two fp32 [B,S,H] tensors, got {tuple(xv.shape)} + {tuple(pv.shape)}")
+        ctx.set(b["out"], ctx.emit(nhil.pos_embedding.default, ctx.tensor(b["x"]), table, pos))
+        return
+    h_index_arith(ctx)
+
+
 def _proj(p, normed=False):
     """q/k/v split into heads: ``view(lin, [B,S,-1,hd]).transpose(1,2)``; when already split
     into heads and normalised per head (QK-norm of Qwen3 / Gemma3), only the transpose."""
@@ -499,8 +612,58 @@ _SOFTCAP_TAIL = [
 ]
 
 
-def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, softcap: bool) -> list[tuple]:
-    """The exact ATen sequence of one transformers attention core for the given variant."""
+# fused projection split with aten.split (GPT-2 ``c_attn(x).split(split_size, dim=2)``)
+_FUSED_SPLIT = [
+    ("qkv_s", aten.split.Tensor, (V("qkv"), V("split_w"), 2), None),
+    ("q_lin", operator.getitem, (V("qkv_s"), 0), None),
+    ("k_lin", operator.getitem, (V("qkv_s"), 1), None),
+    ("v_lin", operator.getitem, (V("qkv_s"), 2), None),
+]
+
+
+def _renamed(steps: list[tuple], names: dict[str, str]) -> list[tuple]:
+    """``steps`` with pattern variables renamed (``V(old)`` -> ``V(new)``) in their arguments."""
+
+    def sub(a):
+        if isinstance(a, V):
+            return V(names.get(a.name, a.name))
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        if isinstance(a, dict):
+            return {k: sub(v) for k, v in a.items()}
+        return a
+
+    return [(name, tgt, sub(args), sub(kw)) for name, tgt, args, kw in steps]
+
+
+def _norope_attention_pattern(decode: bool, fused, softcap: bool, order: str) -> list[tuple]:
+    """RoPE-less MHA core (GPT-2 with learned absolute positions): per-head views in
+    ``order`` (GPT2Attention: k, v, then q), static-cache writes of the unrotated k/v, no
+    ``repeat_kv`` (it returns early for n_rep == 1), SDPA or the eager soft-capped tail."""
+    steps = (list(_FUSED_SPLIT) if fused == "split" else list(_FUSED)) if fused else []
+    proj = {p: _proj(p) for p in "qkv"}
+    steps += [st for p in order for st in proj[p]]
+    if decode:
+        steps += [
+            ("pos_ar", aten.arange.default, (V("S"),), ANY),
+            ("pos", aten.add.Tensor, (V("pos_ar"), V("cp0")), None),
+            ("kc", aten.index_copy_.default, (V("kcache"), 2, V("pos"), V("k_t")), None),
+            ("vc", aten.index_copy_.default, (V("vcache"), 2, V("pos"), V("v_t")), None),
+        ]
+    kv = {"k_rr": "kc", "v_rr": "vc"} if decode else {"k_rr": "k_t", "v_rr": "v_t"}
+    return steps + _renamed(_SOFTCAP_TAIL if softcap else _SDPA_TAIL, {"q_rot": "q_t", **kv})
+
+
+def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, softcap: bool, rope: bool = True, order: str = "qkv") -> list[tuple]:
+    """The exact ATen sequence of one transformers attention core for the given variant.
+
+    ``rope=False``: no rotary embedding and no ``repeat_kv`` (MHA; :func:`_norope_attention_pattern`),
+    with ``fused`` False / True (slices) / ``"split"`` (aten.split) and the per-head views in ``order``.
+    """
+    if not rope:
+        if qknorm or partial:
+            raise ValueError("RoPE-less attention patterns have no QK-norm / partial-rotary variant")
+        return _norope_attention_pattern(decode, fused, softcap, order)
     steps = list(_FUSED) if fused else []
     steps += _proj("q", qknorm) + _proj("k", qknorm) + _proj("v") + _COS_SIN
     if partial:
@@ -525,6 +688,10 @@ def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, so
 ATTENTION_PATTERNS = [
     attention_pattern(d, qn, f, pr, sc)
     for d in (True, False) for qn in (False, True, "post") for f in (False, True) for pr in (False, True) for sc in (False, True)
+]
+ATTENTION_PATTERNS += [
+    attention_pattern(d, False, f, False, sc, rope=False, order=o)
+    for d in (True, False) for f in (False, True, "split") for sc in (False, True) for o in ("kvq", "qkv")
 ]
 # legacy names (Llama)
 ATTENTION_DECODE = attention_pattern(True, False, False, False, False)
@@ -570,6 +737,9 @@ def h_attention(ctx: Ctx) -> None:
         readers = [u for u in ctx.outside_users(b["cl"]) if u is not inc] + [u for u in b["cl"].users if u is not inc]
         if any(ctx.r.index[u] > ctx.r.index[inc] and u.op == "call_function" and not _is_transparent(u) for u in readers):
             raise Mismatch(inc, "cumulative_length is read after it is incremented")
+        return
+    if "cos_u" not in b:  # attention_pattern(rope=False)
+        _h_attention_norope(ctx, b)
         return
     hd, half, hq, hkv, nrep, s = b["hd"], b["half"], b["Hq"], b["Hkv"], b["nrep"], b["S"]
     rd = b.get("rd")
@@ -617,6 +787,47 @@ def h_attention(ctx: Ctx) -> None:
         if mask[:2] != ("prefill", s):
             raise Mismatch(b["o"], f"prefill attention needs a causal mask over S={s}, got {mask}")
         out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"], *_extra(mask[2], cap))
+    ctx.set(b["out"], out)
+
+
+def _h_attention_norope(ctx: Ctx, b: dict) -> None:
+    """Emit a matched RoPE-less MHA core (GPT-2) -> [nhil.narrow x3] + attention[_kv] with
+    num_heads == num_kv_heads (no repeat_kv: n_rep is 1)."""
+    hd, s = b["hd"], b["S"]
+    qw = _width(b["q_lin"], hd)
+    hq = qw // hd if isinstance(hd, int) and hd > 0 else -1
+    ok = isinstance(b["scale"], float) and hq > 0 and qw == hq * hd and _width(b["k_lin"], hd) == qw and _width(b["v_lin"], hd) == qw
+    if "q_end" in b:
+        ok = ok and b["q_end"] == qw and b["k_end"] == 2 * qw and _val(b["qkv"]).shape[-1] == 3 * qw
+    if "split_w" in b:
+        ok = ok and b["split_w"] == qw and _val(b["qkv"]).shape[-1] == 3 * qw
+    if "cap" in b:
+        ok = ok and isinstance(b["cap"], float)
+    if "kc" in b:
+        kshape = tuple(_val(b["kcache"]).shape)
+        ok = ok and len(kshape) == 4 and kshape[1] == hq and kshape[3] == hd and tuple(_val(b["vcache"]).shape) == kshape
+    if not ok:
+        raise Mismatch(ctx.nodes[0], f"inconsistent RoPE-less attention shapes (hd={hd}, q width {qw}, k width {_width(b['k_lin'], hd)}, v width {_width(b['v_lin'], hd)})")
+    mask = ctx.marker(b["mask"], "causal_mask").data
+    if mask[3] != ("cap" in b):
+        raise Mismatch(b["o"], "eager soft-capped attention needs the additive mask, SDPA the boolean one")
+    if "qkv" in b:
+        qkv = ctx.tensor(b["qkv"])
+        q, k, v = (ctx.emit(nhil.narrow.default, qkv, i * qw, qw) for i in range(3))
+    else:
+        q, k, v = ctx.tensor(b["q_lin"]), ctx.tensor(b["k_lin"]), ctx.tensor(b["v_lin"])
+    cap = b.get("cap")
+    if "kc" in b:
+        cp = ctx.marker(b["cp0"], "cache_pos0").data
+        if mask[:2] != ("cache", kshape[2]) or s != 1:
+            raise Mismatch(b["o"], f"decode attention needs a causal cache mask over L={kshape[2]} and one token, got {mask}, S={s}")
+        kc, vc = ctx.param(b["kcache"]), ctx.param(b["vcache"])
+        ctx.r.cache_names += [kc.target, vc.target]
+        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hq, b["scale"], *_extra(mask[2], cap))
+    else:
+        if mask[:2] != ("prefill", s):
+            raise Mismatch(b["o"], f"prefill attention needs a causal mask over S={s}, got {mask}")
+        out = ctx.emit(nhil.attention.default, q, k, v, hq, hq, b["scale"], *_extra(mask[2], cap))
     ctx.set(b["out"], out)
 
 
@@ -756,6 +967,11 @@ HANDLERS: dict[str, Callable[[Ctx], None]] = {
     "LlamaAttention": h_attention,
     "ScaledWordEmbedding": h_scaled_embedding,
     "ForCausalLM": h_causal_lm,
+    "LayerNorm": h_layer_norm,
+    "Conv1D": h_conv1d,
+    "NewGELUActivation": h_gelu_new,
+    "GPT2Model": h_gpt2_model,
+    "GPT2Block": h_residual,
     "MixtralSparseMoeBlock": h_moe_block,
     "MixtralTopKRouter": h_moe_router,
     "MixtralExperts": h_moe_experts,

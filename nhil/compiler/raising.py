@@ -9,7 +9,8 @@ Algorithm (linear in the number of nodes):
 2. Dead nodes (no path to the output or to an in-place op) are ignored.
 3. The remaining ops are grouped into *regions*: connected components of ops that share
    the same innermost ``nn_module_stack`` entry (module path + class).
-4. Regions are visited in graph order of their last node. A handler chosen by the module
+4. Regions are visited in dependency order, ties by graph order of their last node
+   (``Raiser._topological``). A handler chosen by the module
    class (``raise_handlers.HANDLERS``) checks the region's exact ATen op sequence and
    argument data flow (``raise_match``) or, for integer/bool index arithmetic (positions,
    causal masks), evaluates it exhaustively over every cache position; it then emits
@@ -205,7 +206,44 @@ class Raiser:
             groups.setdefault(find(n), []).append(n)
         regs = [Region(*key[piece[0]], piece) for nodes in groups.values() for piece in self._convex_pieces(nodes)]
         regs.sort(key=lambda r: self.index[r.nodes[-1]])
-        return regs
+        return self._topological(regs)
+
+    def _topological(self, regs: list[Region]) -> list[Region]:
+        """Regions in dependency order, ties (and independent regions) by their last node.
+
+        The last-node order alone is not always a dependency order: GPT-2's prefill
+        computes the position ids inside the Model's mask region, whose last node (the
+        mask) comes after the ``wpe`` lookup that reads the positions. Kahn's algorithm
+        with the last-node index as priority keeps the last-node order wherever it is
+        already topological; a cyclic remainder keeps that order too.
+        """
+        import heapq
+
+        owner = {n: i for i, r in enumerate(regs) for n in r.nodes}
+        deps: list[set[int]] = [set() for _ in regs]
+        for i, r in enumerate(regs):
+            for n in r.nodes:
+                for a in n.all_input_nodes:
+                    j = owner.get(self.canon(a))
+                    if j is not None and j != i:
+                        deps[i].add(j)
+        users: list[list[int]] = [[] for _ in regs]
+        for i, ds in enumerate(deps):
+            for j in ds:
+                users[j].append(i)
+        pending = [len(ds) for ds in deps]
+        ready = [i for i in range(len(regs)) if not pending[i]]  # indices are already in last-node order
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for u in users[i]:
+                pending[u] -= 1
+                if not pending[u]:
+                    heapq.heappush(ready, u)
+        done = set(order)
+        return [regs[i] for i in order] + [r for i, r in enumerate(regs) if i not in done]
 
     def _convex_pieces(self, nodes: list[fx.Node]) -> list[list[fx.Node]]:
         """Split a region where it depends on an outside op that itself depends on the region

@@ -5,8 +5,10 @@ Two passes (shapes for prompt length P, generated tokens T, hidden H, vocab V):
 1. Greedy ``model.generate`` (``do_sample=False``, ``max_new_tokens=T``, EOS ignored so
    exactly T tokens come out) gives the golden tokens.
 2. One teacher-forced forward over ``prompt_ids + tokens[:-1]`` (length P+T-1, no KV
-   cache) with forward hooks on ``model.model.embed_tokens`` and every
-   ``model.model.layers[l]`` gives the per-position activations and the logits.
+   cache) with forward hooks on the token embedding and every decoder layer
+   (``model.model.embed_tokens`` / ``model.model.layers[l]``; GPT-2:
+   ``model.transformer.wte`` / ``model.transformer.h[l]``, see :func:`decoder_modules`)
+   gives the per-position activations and the logits.
 
 Teacher forcing is what targets are compared against: every step sees the golden prefix,
 so one wrong token does not make all later steps incomparable (vLLM
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["generate_golden", "config_hash", "act_name"]
+__all__ = ["generate_golden", "config_hash", "act_name", "decoder_modules"]
 
 
 def act_name(module_path: str) -> str:
@@ -32,6 +34,28 @@ def act_name(module_path: str) -> str:
 def config_hash(model: torch.nn.Module) -> str:
     """sha256 hex of ``model.config.to_json_string()`` (identifies the architecture config)."""
     return hashlib.sha256(model.config.to_json_string().encode("utf-8")).hexdigest()
+
+
+def decoder_modules(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.ModuleList]:
+    """``(decoder, token embedding, decoder layers)`` of a HF causal LM.
+
+    Llama-style models: ``model.model`` / ``.embed_tokens`` / ``.layers``; GPT-2 style:
+    ``model.transformer`` / ``.wte`` / ``.h``. Their activations are stored under the
+    canonical names ``act.model.embed_tokens`` and ``act.model.layers.{l}`` either way
+    (the token embedding without positions; each layer's output hidden state).
+
+    Raises:
+        ValueError: neither layout (names the model class).
+    """
+    for inner_name, emb_name, layers_name in (("model", "embed_tokens", "layers"), ("transformer", "wte", "h")):
+        inner = getattr(model, inner_name, None)
+        if inner is not None and hasattr(inner, emb_name) and hasattr(inner, layers_name):
+            return inner, getattr(inner, emb_name), getattr(inner, layers_name)
+    raise ValueError(
+        f"cannot find the token embedding and decoder layers of {type(model).__name__}: expected "
+        "model.model.embed_tokens / .layers (Llama style) or model.transformer.wte / .h (GPT-2 style); "
+        "add the layout to nhil.golden.generate.decoder_modules"
+    )
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
@@ -55,8 +79,8 @@ def generate_golden(
     """Golden tokens, logits and per-layer activations of ``bundle.model`` in eager fp32.
 
     Args:
-        bundle: a :class:`nhil.models.ModelBundle` (its ``model`` is a HF causal LM with
-            ``model.model.embed_tokens`` and ``model.model.layers``, fp32, eval mode).
+        bundle: a :class:`nhil.models.ModelBundle` (its ``model`` is a HF causal LM in
+            one of the layouts of :func:`decoder_modules`, fp32, eval mode).
         prompt_ids: P >= 1 prompt token ids.
         n_tokens: T >= 1 tokens to generate greedily (EOS does not stop generation).
         seed: ``torch.manual_seed`` before generating (greedy decoding does not sample;
@@ -82,7 +106,8 @@ def generate_golden(
         round differently, so a near-tie can flip).
 
     Raises:
-        ValueError: empty prompt, n_tokens < 1, or generate returned the wrong length.
+        ValueError: empty prompt, n_tokens < 1, generate returned the wrong length, or
+            the model has neither module layout of :func:`decoder_modules`.
     """
     if len(prompt_ids) < 1:
         raise ValueError("generate_golden needs at least one prompt token")
@@ -107,7 +132,7 @@ def generate_golden(
     if tokens.numel() != T:
         raise ValueError(f"model.generate returned {tokens.numel()} new tokens, expected {T}")
 
-    inner = model.model
+    _, embed, layers = decoder_modules(model)
     captured: dict[str, torch.Tensor] = {}
 
     def hook(name: str):
@@ -116,8 +141,8 @@ def generate_golden(
 
         return fn
 
-    handles = [inner.embed_tokens.register_forward_hook(hook(act_name("model.embed_tokens")))]
-    for i, layer in enumerate(inner.layers):
+    handles = [embed.register_forward_hook(hook(act_name("model.embed_tokens")))]
+    for i, layer in enumerate(layers):
         handles.append(layer.register_forward_hook(hook(act_name(f"model.layers.{i}"))))
     try:
         full = torch.cat([ids[0], tokens[:-1]]).unsqueeze(0)
@@ -130,7 +155,7 @@ def generate_golden(
     mism = torch.nonzero(logits.argmax(dim=-1) != tokens).flatten().tolist()
     tensors: dict[str, torch.Tensor] = {"prompt_ids": ids[0].clone(), "tokens": tokens.clone(), "logits": logits}
     tensors[act_name("model.embed_tokens")] = captured[act_name("model.embed_tokens")]
-    for i in range(len(inner.layers)):
+    for i in range(len(layers)):
         tensors[act_name(f"model.layers.{i}")] = captured[act_name(f"model.layers.{i}")]
 
     if prompt_text is None:
@@ -146,7 +171,7 @@ def generate_golden(
         "dtype": "float32",
         "config_hash": config_hash(model),
         "generator": "pytorch-eager",
-        "num_layers": str(len(inner.layers)),
+        "num_layers": str(len(layers)),
         "hidden_size": str(getattr(cfg, "hidden_size", "")),
         "vocab_size": str(logits.shape[-1]),
         "teacher_forced_argmax_matches": "true" if not mism else "false",

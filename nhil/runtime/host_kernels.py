@@ -148,3 +148,27 @@ def moe_dispatch(inputs, outputs, ctx, layer, experts, top_k, num_experts):
     ys = torch.stack([_t(inputs[1 + e]) for e in ids])
     y = ys * w.unsqueeze(-1)
     outputs[0][:] = y.view(1, top_k, -1).sum(dim=1).reshape(-1).numpy()
+
+
+@kernel("layer_norm")
+def layer_norm(inputs, outputs, ctx, eps, has_weight=True, has_bias=True):
+    """LayerNorm of one token: inputs = [x, weight (if has_weight), bias (if has_bias)] -> ``nhil::layer_norm``."""
+    it = iter(inputs[1:])
+    w = _t(next(it)) if has_weight else None
+    b = _t(next(it)) if has_bias else None
+    outputs[0][:] = _ops().layer_norm(_t(inputs[0]).reshape(1, 1, -1), w, b, eps).reshape(-1).numpy()
+
+
+@kernel("gelu")
+def gelu(inputs, outputs, ctx, variant="gelu_new"):
+    (x,) = inputs
+    outputs[0][:] = _ops().gelu(_t(x), variant).numpy()
+
+
+@kernel("pos_embedding")
+def pos_embedding(inputs, outputs, ctx):
+    """Learned absolute position of the step: ``x + table[pos]`` (``nhil::pos_embedding``)."""
+    x, table, pos = inputs
+    if not 0 <= pos < table.shape[0]:
+        raise RunError(f"position {pos} is beyond the {table.shape[0]} learned position embeddings (n_positions) of the model")
+    outputs[0][:] = _ops().pos_embedding(_t(x).reshape(1, 1, -1), _t(table), torch.tensor([[pos]])).reshape(-1).numpy()
