@@ -199,9 +199,12 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             moe_attrs = dict(zip(("score_func", "norm_topk_prob", "act"), node.args[6:]))
             if moe_attrs.get("act", "silu") != "silu" or _numel(node) != _numel(x):
                 raise CompileError(f"no lowering for this nhil::moe (act {moe_attrs.get('act')}) at {_where(node)}")
+            moe_w = {"router": (const_name(rw), consts[rw.name]), "gate_up": (const_name(gu), consts[gu.name]), "down": (const_name(dw), consts[dw.name])}
+            for key, t in node.kwargs.items():  # keyword-only attributes: shared expert weights (None when absent)
+                if t is not None:
+                    moe_w[key] = (const_name(t), consts[t.name])
             moe_info.append(lower_moe(
-                b, arg_buf(x), out,
-                {"router": (const_name(rw), consts[rw.name]), "gate_up": (const_name(gu), consts[gu.name]), "down": (const_name(dw), consts[dw.name])},
+                b, arg_buf(x), out, moe_w,
                 {"num_experts": n_exp, "top_k": top_k, "score_func": moe_attrs.get("score_func", "softmax"), "norm_topk_prob": moe_attrs.get("norm_topk_prob", True)},
                 layer=len(moe_info)))
         else:

@@ -18,6 +18,12 @@ Per MoE layer (one token per step, ``x`` the [H] host buffer of the block input)
    (``y * w[:, None]`` -> ``view(1, k, H).sum(1)``). Only the routed experts' GEMVs are
    issued. See ``docs/isa.md`` ("Runtime: data-dependent MoE dispatch").
 
+A **shared expert** (Qwen2-MoE) runs in the linear stream before the router, for every
+token: gate / up GEMVs, ``HOST silu_mul``, down GEMV, and the [1,H] GEMV of its sigmoid
+gate; the dispatch then writes the routed combine to ``{out}.moe.routed`` and
+``HOST moe_shared_add`` forms ``out = routed + sigmoid(gate) * shared`` (the reference
+kernel's ops, :func:`nhil.compiler.primitives.moe_ref`).
+
 The builder's global-buffer tracking is reset at every sub-program boundary (what the GB
 holds there depends on which experts ran), and sub-programs are bf16-only (W_FMT 0).
 """
@@ -28,6 +34,9 @@ from nhil.compiler.builder import ProgramBuilder
 from nhil.errors import CompileError
 
 
+SHARED_KEYS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
+
+
 def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dict, layer: int) -> dict:
     """Emit one MoE layer (see the module docstring).
 
@@ -35,14 +44,19 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         b: the program builder.
         x_buf: host buffer of the block input [H].
         out: host buffer for the block output [H] (declared here).
-        weights: ``{"router": (name, [E,H]), "gate_up": (name, [E,2I,H]), "down": (name, [E,H,I])}``.
+        weights: ``{"router": (name, [E,H]), "gate_up": (name, [E,2I,H]), "down": (name, [E,H,I])}``,
+            optionally a shared expert ``"shared_gate_proj"`` / ``"shared_up_proj"`` ([I_s,H]),
+            ``"shared_down_proj"`` ([H,I_s]) and its sigmoid gate ``"shared_expert_gate"`` ([1,H]).
         attrs: ``num_experts``, ``top_k``, ``score_func``, ``norm_topk_prob``.
         layer: MoE layer ordinal (names buffers, recorded in host-op attrs).
     Returns:
         metadata for ``program.info["moe"]``.
     Raises:
-        CompileError: inconsistent shapes or weight format state.
+        CompileError: inconsistent shapes, an unknown weight key, or weight format state.
     """
+    unknown = set(weights) - {"router", "gate_up", "down", *SHARED_KEYS}
+    if unknown:
+        raise CompileError(f"moe layer {layer}: no lowering for moe attributes {sorted(unknown)}")
     (rn, rw), (gn, gu), (dn, dw) = weights["router"], weights["gate_up"], weights["down"]
     e_count, k = int(attrs["num_experts"]), int(attrs["top_k"])
     h = int(rw.shape[1])
@@ -51,6 +65,7 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         raise CompileError(f"moe layer {layer}: inconsistent expert weights gate_up {tuple(gu.shape)}, down {tuple(dw.shape)}")
     inter = i2 // 2
     pre = f"{out}.moe"
+    shared = _lower_shared_expert(b, x_buf, pre, weights, h, layer) if "shared_gate_proj" in weights else None
     pr = b.place_matrix(rn, rw)
     b.buffer(f"{pre}.logits", e_count)
     b.gemv(pr, x_buf, f"{pre}.logits")
@@ -76,8 +91,40 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         macs.append(sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB"))
         ys.append(y)
     b.invalidate_gb()
+    routed = out if shared is None else b.buffer(f"{pre}.routed", h)
     b.buffer(out, h)
-    b.host("moe_dispatch", [f"{pre}.route", *ys], [out], layer=layer, experts=markers, top_k=k, num_experts=e_count)
-    return {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
+    b.host("moe_dispatch", [f"{pre}.route", *ys], [routed], layer=layer, experts=markers, top_k=k, num_experts=e_count)
+    info = {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
             "norm_topk_prob": bool(attrs["norm_topk_prob"]), "expert_markers": markers, "dispatch": len(b.host_ops) - 1,
             "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows)}
+    if shared is not None:
+        ins = [routed, shared["y"]] + ([shared["gate"]] if shared["gate"] else [])
+        b.host("moe_shared_add", ins, [out], gated=shared["gate"] is not None)
+        info["shared_mac_ab"] = shared["mac_ab"]
+        info["shared_gated"] = shared["gate"] is not None
+    return info
+
+
+def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, h: int, layer: int) -> dict:
+    """The shared expert, in the linear stream (it runs for every token): gate and up GEMVs
+    of ``x``, ``HOST silu_mul``, down GEMV into ``{pre}.shared.y``, and with a sigmoid gate
+    its [1,H] GEMV into ``{pre}.shared.gate`` (the sigmoid itself is applied by
+    ``HOST moe_shared_add`` after the routed combine). Returns buffer names and MAC count."""
+    (gn, gw), (un, uw), (dn, dw) = weights["shared_gate_proj"], weights["shared_up_proj"], weights["shared_down_proj"]
+    inter = int(gw.shape[0])
+    if tuple(gw.shape) != (inter, h) or tuple(uw.shape) != (inter, h) or tuple(dw.shape) != (h, inter):
+        raise CompileError(f"moe layer {layer}: inconsistent shared expert weights gate {tuple(gw.shape)}, up {tuple(uw.shape)}, down {tuple(dw.shape)}")
+    start = len(b.instrs)
+    g, u, a, y = (b.buffer(f"{pre}.shared.{s}", n) for s, n in (("g", inter), ("u", inter), ("act", inter), ("y", h)))
+    b.gemv(b.place_matrix(gn, gw), x_buf, g)
+    b.gemv(b.place_matrix(un, uw), x_buf, u)
+    b.host("silu_mul", [g, u], [a])
+    b.gemv(b.place_matrix(dn, dw), a, y)
+    gate = None
+    if "shared_expert_gate" in weights:
+        sn, sw = weights["shared_expert_gate"]
+        if tuple(sw.shape) != (1, h):
+            raise CompileError(f"moe layer {layer}: shared expert gate {tuple(sw.shape)} is not [1, H={h}]")
+        gate = b.buffer(f"{pre}.shared.gate", 1)
+        b.gemv(b.place_matrix(sn, sw), x_buf, gate)
+    return {"y": y, "gate": gate, "mac_ab": sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB")}

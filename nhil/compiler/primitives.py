@@ -41,7 +41,10 @@ _SCHEMAS = {
     "add": "add(Tensor a, Tensor b) -> Tensor",
     "moe": (
         "moe(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int num_experts, int top_k, "
-        "str score_func='softmax', bool norm_topk_prob=True, str act='silu') -> Tensor"
+        "str score_func='softmax', bool norm_topk_prob=True, str act='silu', *, "
+        # shared expert (Qwen2-MoE: SwiGLU MLP on every token, optionally sigmoid-gated)
+        "Tensor? shared_gate_proj=None, Tensor? shared_up_proj=None, Tensor? shared_down_proj=None, "
+        "Tensor? shared_expert_gate=None) -> Tensor"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -333,9 +336,40 @@ def moe_expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, i
     return torch.bmm(down[ids], a.unsqueeze(-1)).squeeze(-1)
 
 
+def moe_shared_expert(hs: torch.Tensor, gate_proj, up_proj, down_proj, expert_gate=None) -> torch.Tensor:
+    """Shared expert of a MoE block, run on every token: hs [T,H] fp32 -> [T,H].
+
+    ``down(silu(gate(hs)) * up(hs))`` with gate/up [I,H], down [H,I] (a SwiGLU
+    ``Qwen2MoeMLP``), then, with ``expert_gate`` [1,H], scaled by
+    ``sigmoid(F.linear(hs, expert_gate))`` ([T,1], broadcast over H). Source:
+    modeling_qwen2_moe.Qwen2MoeSparseMoeBlock.forward / Qwen2MoeMLP.forward (transformers 5.24).
+    """
+    y = F.linear(F.silu(F.linear(hs, gate_proj)) * F.linear(hs, up_proj), down_proj)
+    if expert_gate is not None:
+        y = F.sigmoid(F.linear(hs, expert_gate)) * y
+    return y
+
+
+def _check_shared(h: int, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate) -> None:
+    """Shapes of the shared-expert tensors of :func:`moe_ref` (all three projections or none)."""
+    given = [t is not None for t in (shared_gate_proj, shared_up_proj, shared_down_proj)]
+    if any(given) and not all(given):
+        raise ValueError("moe shared expert needs all of shared_gate_proj, shared_up_proj and shared_down_proj")
+    if shared_expert_gate is not None and not all(given):
+        raise ValueError("moe shared_expert_gate given without a shared expert")
+    if all(given):
+        i = shared_gate_proj.shape[0]
+        ok = tuple(shared_gate_proj.shape) == (i, h) and tuple(shared_up_proj.shape) == (i, h) and tuple(shared_down_proj.shape) == (h, i)
+        if not ok or (shared_expert_gate is not None and tuple(shared_expert_gate.shape) != (1, h)):
+            raise ValueError(
+                f"inconsistent moe shared-expert shapes: gate {tuple(shared_gate_proj.shape)}, up {tuple(shared_up_proj.shape)}, "
+                f"down {tuple(shared_down_proj.shape)}, expert gate {None if shared_expert_gate is None else tuple(shared_expert_gate.shape)} (H={h})")
+
+
 @_impl("moe")
-def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, act: str = "silu"):
-    """Sparse MoE block (routed experts only): x [B,S,H] fp32 -> [B,S,H].
+def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, act: str = "silu",
+            *, shared_gate_proj=None, shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None):
+    """Sparse MoE block: x [B,S,H] fp32 -> [B,S,H].
 
     router_weight [E,H]; gate_up_proj [E,2I,H] (gate rows first, then up rows);
     down_proj [E,H,I]. Routing: :func:`moe_routing` over ``F.linear(x, router_weight)``.
@@ -346,6 +380,11 @@ def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: 
     Qwen3MoeSparseMoeBlock, integrations/moe.batched_mm_experts_forward), so the exported
     region raises bit-exactly.
 
+    Keyword-only (all default to "absent"): a shared expert ``shared_gate_proj`` /
+    ``shared_up_proj`` [I_s,H], ``shared_down_proj`` [H,I_s], run on every token, with an
+    optional sigmoid gate ``shared_expert_gate`` [1,H] (:func:`moe_shared_expert`); the
+    block output is then ``routed + shared`` (Qwen2-MoE).
+
     Raises:
         ValueError: unsupported score function / activation, or inconsistent shapes.
     """
@@ -355,13 +394,19 @@ def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: 
     e = router_weight.shape[0]
     if e != num_experts or gate_up_proj.shape[0] != e or down_proj.shape[0] != e or gate_up_proj.shape[2] != h or down_proj.shape[1] != h or not 0 < top_k <= e:
         raise ValueError(f"inconsistent moe shapes: x {tuple(x.shape)}, router {tuple(router_weight.shape)}, gate_up {tuple(gate_up_proj.shape)}, down {tuple(down_proj.shape)}, E={num_experts}, k={top_k}")
+    _check_shared(h, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
     hs = x.view(-1, h)
+    shared = None
+    if shared_gate_proj is not None:
+        shared = moe_shared_expert(hs, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
     logits = F.linear(hs.reshape(-1, h), router_weight)
     w, ids = moe_routing(logits, top_k, score_func, norm_topk_prob)
     xs = hs.repeat_interleave(top_k, dim=0)
     y = moe_expert_ffn(xs, gate_up_proj, down_proj, ids.reshape(-1))
     y = y * w.reshape(-1).unsqueeze(-1)
     out = y.view(-1, top_k, h).sum(dim=1)
+    if shared is not None:
+        out = out + shared
     return out.reshape(b, s, h)
 
 
@@ -431,5 +476,5 @@ def _add_fake(a, b):
 
 
 @_fake("moe")
-def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu"):
+def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu", **kwargs):
     return torch.empty_like(x)

@@ -70,8 +70,9 @@ class Ctx:
             raise Mismatch(self.nodes[0], f"input {old.name} is not a tensor of the graph IR")
         return v
 
-    def emit(self, op, *args) -> fx.Node:
-        n = self.r.g.call_function(op, tuple(args))
+    def emit(self, op, *args, **kwargs) -> fx.Node:
+        """Append ``op(*args, **kwargs)`` to the new graph (kwargs: keyword-only schema attributes)."""
+        n = self.r.g.call_function(op, tuple(args), kwargs or None)
         n.meta["nn_module_stack_path"] = self.path
         n.meta["stack_trace"] = self.nodes[-1].meta.get("stack_trace")
         self.created.append(n)
@@ -156,7 +157,12 @@ def h_embedding(ctx: Ctx) -> None:
 
 
 def h_linear(ctx: Ctx) -> None:
+    """nn.Linear -> nhil.linear; inside a MoE block (input a MoE Marker) -> a shared-expert Marker."""
     b = ctx.match([_one(aten.linear.default, (V("x"), V("w"))), _one(aten.linear.default, (V("x"), V("w"), V("bias")))])
+    xv = ctx.value(b["x"])
+    if isinstance(xv, Marker) and xv.kind in ("moe_tokens", "moe_shared_h"):
+        _moe_shared_linear(ctx, b, xv)
+        return
     bias = ctx.param(b["bias"]) if "bias" in b else None
     ctx.set(b["out"], ctx.emit(nhil.linear.default, ctx.tensor(b["x"]), ctx.param(b["w"]), bias))
 
@@ -238,6 +244,11 @@ def h_act(ctx: Ctx) -> None:
             raise Mismatch(ctx.nodes[0], "MoE experts: only the SiLU (SwiGLU) activation is supported")
         ctx.set(b["out"], Marker("moe_act", gv.data))
         return
+    if isinstance(gv, Marker) and gv.kind == "moe_lin":  # the shared expert's act_fn (Qwen2-MoE)
+        if i != 0:
+            raise Mismatch(ctx.nodes[0], "MoE shared expert: only the SiLU (SwiGLU) activation is supported")
+        ctx.set(b["out"], Marker("moe_shared_act", gv.data))
+        return
     ctx.set(b["out"], Marker(("silu", "gelu_tanh")[i], ctx.tensor(b["g"])))
 
 
@@ -263,6 +274,13 @@ def h_mlp(ctx: Ctx) -> None:
         return
     b = ctx.match([_one(aten.mul.Tensor, (V("s"), V("u")))])
     sv, uv = ctx.value(b["s"]), ctx.value(b["u"])
+    if isinstance(sv, Marker) and sv.kind == "moe_shared_act":  # shared expert of a MoE block
+        if not (isinstance(uv, Marker) and uv.kind == "moe_lin" and uv.data["tok"] is sv.data["tok"]):
+            raise Mismatch(ctx.nodes[0], f"MoE shared expert: {b['u'].name} is not the up projection of the same block's tokens")
+        if uv.data["shape"] != sv.data["shape"]:
+            raise Mismatch(ctx.nodes[0], f"MoE shared expert: gate {sv.data['shape']} and up {uv.data['shape']} projections differ in shape")
+        ctx.set(b["out"], Marker("moe_shared_h", {"tok": sv.data["tok"], "gate": sv.data["w"], "up": uv.data["w"], "shape": sv.data["shape"]}))
+        return
     if not isinstance(sv, Marker) and isinstance(uv, Marker):
         sv, uv, b["u"] = uv, sv, b["s"]
     if not isinstance(sv, Marker) or sv.kind not in ("silu", "gelu_tanh"):
@@ -675,24 +693,61 @@ def _moe_marker(ctx: Ctx, old: fx.Node, kind: str, state: dict | None = None) ->
     return m.data
 
 
+MOE_TAIL = [("out", aten.reshape.default, (V("y"), V("shape")), None)]
+# Qwen2-MoE: ``expert_output + sigmoid(shared_expert_gate(x)) * shared_expert(x)``, then reshape
+MOE_TAIL_SHARED_GATED = [
+    ("sig", aten.sigmoid.default, (V("gl"),), None),
+    ("sm", aten.mul.Tensor, (V("sig"), V("sh")), None),
+    ("sum", aten.add.Tensor, (V("y"), V("sm")), None),
+    ("out", aten.reshape.default, (V("sum"), V("shape")), None),
+]
+
+
+def _moe_shared_linear(ctx: Ctx, b: dict, xv: Marker) -> None:
+    """A Linear inside a MoE block: on the block tokens -> Marker('moe_lin') (shared expert
+    gate_proj / up_proj, or the shared_expert_gate); on the shared expert's gated product
+    -> Marker('moe_shared') (its down_proj). Bias-free only (Qwen2-MoE)."""
+    if "bias" in b:
+        raise Mismatch(ctx.nodes[0], "MoE shared expert: biased projections are not supported")
+    w = _val(b["w"])
+    if xv.kind == "moe_tokens":
+        if w.dim() != 2 or w.shape[1] != xv.data["shape"][-1]:
+            raise Mismatch(ctx.nodes[0], f"MoE shared-expert projection weight {tuple(w.shape)} does not take H={xv.data['shape'][-1]}")
+        ctx.set(b["out"], Marker("moe_lin", {"tok": xv.data, "w": ctx.param(b["w"]), "shape": tuple(w.shape)}))
+        return
+    h = xv.data["tok"]["shape"][-1]
+    if tuple(w.shape) != (h, xv.data["shape"][0]):
+        raise Mismatch(ctx.nodes[0], f"MoE shared expert down_proj {tuple(w.shape)} is not [H={h}, I={xv.data['shape'][0]}]")
+    ctx.set(b["out"], Marker("moe_shared", dict(xv.data, down=ctx.param(b["w"]))))
+
+
 def h_moe_block(ctx: Ctx) -> None:
-    """SparseMoeBlock glue: ``hidden.view(-1, H)`` -> Marker('moe_tokens'); the final
-    ``reshape(out, [B, S, H])`` of the routed-experts result -> the nhil.moe node."""
-    if len(ctx.nodes) != 1:
-        raise Mismatch(ctx.nodes[0], "MoE block: only routed experts (no shared expert) are supported")
+    """SparseMoeBlock glue: ``hidden.view(-1, H)`` -> Marker('moe_tokens'); the block tail
+    -> the nhil.moe node: ``reshape(routed, [B, S, H])`` (Mixtral, Qwen3-MoE) or
+    ``reshape(routed + sigmoid(gate(x)) * shared(x), [B, S, H])`` (Qwen2-MoE's
+    sigmoid-gated shared expert, :data:`MOE_TAIL_SHARED_GATED`)."""
     n = ctx.nodes[0]
-    if n.target == aten.view.default:
+    if len(ctx.nodes) == 1 and n.target == aten.view.default:
         b = ctx.match([[("out", aten.view.default, (V("x"), [-1, V("H")]), None)]])
         xv = _val(b["x"])
         if xv.dim() != 3 or b["H"] != xv.shape[-1] or xv.dtype != torch.float32:
             raise Mismatch(n, "MoE block input must be an fp32 [B, S, H] tensor viewed as [-1, H]")
         ctx.set(b["out"], Marker("moe_tokens", {"x": ctx.tensor(b["x"]), "shape": tuple(xv.shape)}))
         return
-    b = ctx.match([[("out", aten.reshape.default, (V("y"), V("shape")), None)]])
-    out = ctx.marker(b["y"], "moe_out").data
-    if list(b["shape"]) != list(out["shape"]):
-        raise Mismatch(n, f"MoE block output reshape {b['shape']} is not the input shape {out['shape']}")
-    ctx.set(b["out"], out["node"])
+    i, b = match_any([MOE_TAIL, MOE_TAIL_SHARED_GATED], ctx.nodes, ctx.r.canon)
+    st = ctx.marker(b["y"], "moe_out").data
+    if list(b["shape"]) != list(st["shape"]):
+        raise Mismatch(ctx.nodes[-1], f"MoE block output reshape {b['shape']} is not the input shape {st['shape']}")
+    shared: dict = {}
+    if i == 1:
+        sh = ctx.marker(b["sh"], "moe_shared").data
+        gl = ctx.marker(b["gl"], "moe_lin").data
+        h = st["tok"]["shape"][-1]
+        if sh["tok"] is not st["tok"] or gl["tok"] is not st["tok"] or gl["shape"] != (1, h):
+            raise Mismatch(n, f"MoE shared expert / its gate {gl['shape']} do not belong to this block (H={h})")
+        shared = {"shared_gate_proj": sh["gate"], "shared_up_proj": sh["up"], "shared_down_proj": sh["down"], "shared_expert_gate": gl["w"]}
+    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], st["dn"], st["E"], st["k"], st["score"], st["norm"], "silu", **shared)
+    ctx.set(b["out"], node)
 
 
 def h_moe_router(ctx: Ctx) -> None:
@@ -736,8 +791,7 @@ def h_moe_experts(ctx: Ctx) -> None:
     t = shape[0] * shape[1]
     if dn.dim() != 3 or tuple(dn.shape) != (st["E"], shape[-1], gu_shape[1] // 2) or b["k"] != st["k"] or b["H"] != shape[-1] or b["T"] != t:
         raise Mismatch(ctx.nodes[0], f"down_proj {tuple(dn.shape)} / combine view [{b['T']}, {b['k']}, {b['H']}] do not fit the MoE block")
-    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], ctx.param(b["dn"]), st["E"], st["k"], st["score"], st["norm"], "silu")
-    ctx.set(b["out"], Marker("moe_out", {"node": node, "shape": shape}))
+    ctx.set(b["out"], Marker("moe_out", dict(st, dn=ctx.param(b["dn"]), shape=shape)))
 
 
 HANDLERS: dict[str, Callable[[Ctx], None]] = {

@@ -148,3 +148,14 @@ def moe_dispatch(inputs, outputs, ctx, layer, experts, top_k, num_experts):
     ys = torch.stack([_t(inputs[1 + e]) for e in ids])
     y = ys * w.unsqueeze(-1)
     outputs[0][:] = y.view(1, top_k, -1).sum(dim=1).reshape(-1).numpy()
+
+
+@kernel("moe_shared_add")
+def moe_shared_add(inputs, outputs, ctx, gated=True):
+    """Shared expert of a MoE layer added to the routed combine: inputs = [routed [H],
+    shared [H], (gate logit [1])]; ``out = routed + sigmoid(gate) * shared`` (without
+    ``gated``: ``routed + shared``), the same torch ops as ``primitives.moe_ref``."""
+    routed, shared = _t(inputs[0]), _t(inputs[1])
+    if gated:
+        shared = torch.sigmoid(_t(inputs[2])) * shared
+    outputs[0][:] = (routed + shared).numpy()
