@@ -1,4 +1,4 @@
-"""MoE (mixtral, qwen3_moe, qwen2_moe): nhil::moe raising (bit-exact vs the exported graph), its reference
+"""MoE (mixtral, qwen3_moe, qwen2_moe, gpt_oss): nhil::moe raising (bit-exact vs the exported graph), its reference
 kernel against the transformers module and an independent per-token/per-expert loop, sim
 verify, and data-dependent lowering: only the routed experts' MAC_AB are issued and the
 experts routed on the target equal eager's routing decisions."""
@@ -13,19 +13,33 @@ from nhil.compiler import export_decode, export_prefill, raise_graph
 from nhil.models import get_model
 
 nhil = torch.ops.nhil
-MOE = ["mixtral", "qwen3_moe", "qwen2_moe"]
+MOE = ["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"]
 # routing rule each family's nhil::moe must carry: (E, k, score_func, norm_topk_prob, act), shared expert
 RULE = {"mixtral": ((4, 2, "softmax", True, "silu"), False), "qwen3_moe": ((4, 2, "softmax", True, "silu"), False),
-        "qwen2_moe": ((4, 2, "softmax", False, "silu"), True)}
+        "qwen2_moe": ((4, 2, "softmax", False, "silu"), True), "gpt_oss": ((4, 2, "softmax", True, "swiglu_clamp"), False)}
 SHARED = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
 
 
+def _router(block):
+    return block.router if hasattr(block, "router") else block.gate
+
+
 def _shared_kwargs(block):
-    """nhil::moe keyword attributes of a transformers block's (sigmoid-gated) shared expert, if any."""
+    """nhil::moe keyword attributes of a transformers block: its (sigmoid-gated) shared expert
+    (Qwen2-MoE) or GPT-OSS's router bias, expert biases, layout and clamped-SwiGLU constants."""
+    if hasattr(block, "router"):  # GptOssMLP
+        ex = block.experts
+        return dict(router_bias=block.router.bias.detach(), softmax_after_topk=True, gate_up_bias=ex.gate_up_proj_bias.detach(),
+                    down_bias=ex.down_proj_bias.detach(), experts_layout="transposed_interleaved", swiglu_alpha=ex.alpha, swiglu_limit=ex.limit)
     if not hasattr(block, "shared_expert"):
         return {}
     se = block.shared_expert
     return dict(zip(SHARED, (se.gate_proj.weight.detach(), se.up_proj.weight.detach(), se.down_proj.weight.detach(), block.shared_expert_gate.weight.detach())))
+
+
+def _block_out(block, x):
+    out = block(x)
+    return out[0] if isinstance(out, tuple) else out  # GptOssMLP returns (hidden, router_scores)
 
 
 def _moe_nodes(gm):
@@ -46,8 +60,13 @@ def test_decode_raising_is_bit_exact_and_carries_the_routing_rule(name):
     for n in nodes:
         x, rw, gu, dn, e, k, score, norm, act = n.args
         assert (e, k, score, norm, act) == RULE[name][0]
-        assert rw.target.endswith("mlp.gate.weight") and gu.target.endswith("experts.gate_up_proj") and dn.target.endswith("experts.down_proj")
-        if RULE[name][1]:  # Qwen2-MoE: the sigmoid-gated shared expert is part of the primitive
+        assert rw.target.endswith(("mlp.gate.weight", "mlp.router.weight")) and gu.target.endswith("experts.gate_up_proj") and dn.target.endswith("experts.down_proj")
+        if name == "gpt_oss":  # biased router, top-k -> softmax, biased transposed experts, clamped SwiGLU
+            kw = {k: getattr(v, "target", v) for k, v in n.kwargs.items()}
+            assert {k: v.rsplit("mlp.", 1)[1] if isinstance(v, str) and "mlp." in v else v for k, v in kw.items()} == {
+                "router_bias": "router.bias", "softmax_after_topk": True, "gate_up_bias": "experts.gate_up_proj_bias",
+                "down_bias": "experts.down_proj_bias", "experts_layout": "transposed_interleaved", "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+        elif RULE[name][1]:  # Qwen2-MoE: the sigmoid-gated shared expert is part of the primitive
             assert {k: v.target.rsplit("mlp.", 1)[1] for k, v in n.kwargs.items()} == {
                 "shared_gate_proj": "shared_expert.gate_proj.weight", "shared_up_proj": "shared_expert.up_proj.weight",
                 "shared_down_proj": "shared_expert.down_proj.weight", "shared_expert_gate": "shared_expert_gate.weight"}
@@ -137,17 +156,23 @@ def test_reference_kernel_equals_the_transformers_block(name, ties):
     (router weight 0: every expert scores 1/E; the tie-break is torch.topk's) and, for
     Qwen2-MoE, the shared expert with its sigmoid gate (unnormalised top-k)."""
     block = get_model(name).model.model.layers[0].mlp
+    router = _router(block)
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(1)) * 3
-    rw = block.gate.weight.detach().clone()
-    if ties:
-        rw.zero_()
-    with torch.no_grad():
-        saved = block.gate.weight.detach().clone()
-        block.gate.weight.copy_(rw)
-        want = block(x)
-        block.gate.weight.copy_(saved)
-    (e, k, score, norm, act), _ = RULE[name]
-    got = nhil.moe(x, rw, block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), e, k, score, norm, act, **_shared_kwargs(block))
+    saved = {n: p.detach().clone() for n, p in router.named_parameters()}
+    try:
+        if ties:  # every expert gets the same logit (GPT-OSS: router bias too)
+            with torch.no_grad():
+                for p in router.parameters():
+                    p.zero_()
+        with torch.no_grad():
+            want = _block_out(block, x)
+        (e, k, score, norm, act), _ = RULE[name]
+        got = nhil.moe(x, router.weight.detach().clone(), block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(), e, k, score, norm, act,
+                       **{n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in _shared_kwargs(block).items()})
+    finally:
+        with torch.no_grad():
+            for n, p in router.named_parameters():
+                p.copy_(saved[n])
     assert torch.equal(got, want)
 
 
@@ -189,6 +214,76 @@ def test_host_routing_equals_reference_routing_on_ties():
     assert route[2:].tolist() == [0.25, 0.25]
 
 
+def test_gpt_oss_experts_beyond_the_swiglu_clamp_vs_transformers():
+    """Inputs large enough that gate / up pre-activations exceed the clamp limit (7) on both
+    sides: nhil::moe equals the transformers GptOssMLP bit for bit, and differs from the
+    same experts without the clamp (so the clamp is exercised)."""
+    from nhil.compiler.primitives import swiglu_clamp
+
+    block = get_model("gpt_oss").model.model.layers[1].mlp
+    ex = block.experts
+    x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(4)) * 8
+    hs = x.view(-1, 64)
+    pre = torch.einsum("th,ehi->tei", hs, ex.gate_up_proj.detach()) + ex.gate_up_proj_bias.detach()
+    assert (pre[..., 0::2] > 7).any() and (pre[..., 1::2] > 7).any() and (pre[..., 1::2] < -7).any()
+    with torch.no_grad():
+        want = _block_out(block, x)
+    got = nhil.moe(x, block.router.weight.detach(), ex.gate_up_proj.detach(), ex.down_proj.detach(), 4, 2, "softmax", True, "swiglu_clamp", **_shared_kwargs(block))
+    assert torch.equal(got, want)
+    unclamped = swiglu_clamp(pre[..., 0::2], pre[..., 1::2], 1.702, float("inf"))
+    assert not torch.allclose(unclamped, swiglu_clamp(pre[..., 0::2], pre[..., 1::2], 1.702, 7.0))
+
+
+def test_gpt_oss_reference_kernel_matches_an_independent_loop():
+    """Per token: logits = W x + b, top-k of the logits, softmax over the k; per routed expert
+    e (float64): h = x @ gate_up[e] + b, gate/up = even/odd columns, clamped SwiGLU, @ down[e] + b."""
+    g = torch.Generator().manual_seed(5)
+    e, k, h, inter, lim, alpha = 5, 2, 16, 8, 2.0, 1.5
+    x = torch.randn(1, 7, h, generator=g) * 2
+    rw, rb = torch.randn(e, h, generator=g), torch.randn(e, generator=g)
+    gu, gub = torch.randn(e, h, 2 * inter, generator=g), torch.randn(e, 2 * inter, generator=g)
+    dn, dnb = torch.randn(e, inter, h, generator=g) * 0.3, torch.randn(e, h, generator=g)
+    got = nhil.moe(x, rw, gu, dn, e, k, "softmax", True, "swiglu_clamp", router_bias=rb, softmax_after_topk=True, gate_up_bias=gub,
+                   down_bias=dnb, experts_layout="transposed_interleaved", swiglu_alpha=alpha, swiglu_limit=lim)
+    want = torch.zeros(1, 7, h, dtype=torch.float64)
+    for t in range(7):
+        xt = x[0, t].double()
+        logits = rw.double() @ xt + rb.double()
+        order = sorted(range(e), key=lambda i: -float(logits[i]))[:k]
+        w = torch.softmax(torch.stack([logits[i] for i in order]), 0)
+        for j, i in enumerate(order):
+            hh = xt @ gu[i].double() + gub[i].double()
+            gt, up = hh[0::2].clamp(max=lim), hh[1::2].clamp(-lim, lim)
+            want[0, t] += w[j] * (((up + 1) * gt * torch.sigmoid(alpha * gt)) @ dn[i].double() + dnb[i].double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_host_gpt_oss_routing_and_activation_vs_formulas():
+    import numpy as np
+
+    from nhil.runtime.host_kernels import KERNELS
+
+    logits = np.array([0.5, 3.0, -1.0, 2.0], np.float32)
+    route = np.zeros(4, np.float32)
+    KERNELS["moe_route"]([logits], [route], {}, top_k=2, softmax_after_topk=True)
+    w = np.exp([3.0, 2.0]) / np.exp([3.0, 2.0]).sum()
+    assert route[:2].tolist() == [1.0, 3.0]
+    np.testing.assert_allclose(route[2:], w, rtol=1e-6)
+    # ties (all logits equal): same ids as the reference routing, weights 1/k
+    from nhil.compiler.primitives import moe_routing
+
+    KERNELS["moe_route"]([np.zeros(4, np.float32)], [route], {}, top_k=2, softmax_after_topk=True)
+    wr, ids = moe_routing(torch.zeros(1, 4), 2, softmax_after_topk=True)
+    assert route[:2].tolist() == ids[0].float().tolist() and route[2:].tolist() == [0.5, 0.5]
+    g = np.array([-9.0, -1.0, 0.5, 9.0], np.float32)
+    u = np.array([-9.0, 0.0, 2.0, 8.0], np.float32)
+    gb, ub = np.full(4, 0.5, np.float32), np.full(4, -0.5, np.float32)
+    out = np.zeros(4, np.float32)
+    KERNELS["moe_swiglu_clamp"]([g, u, gb, ub], [out], {}, alpha=1.702, limit=7.0)
+    gg, uu = np.minimum(g + gb, 7.0), np.clip(u + ub, -7.0, 7.0)
+    np.testing.assert_allclose(out, (uu + 1) * gg / (1 + np.exp(-1.702 * gg)), rtol=1e-6, atol=1e-6)
+
+
 def test_host_shared_expert_add_equals_the_formula():
     import numpy as np
 
@@ -220,7 +315,7 @@ def _eager_routes(model, ids):
     """Routed expert ids per (layer, position) of eager fp32 over the whole sequence."""
     routes, hooks = {}, []
     for li, layer in enumerate(model.model.layers):
-        hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, out, li=li: routes.__setitem__(li, (out[2].clone(), torch.softmax(out[0], -1)))))
+        hooks.append(_router(layer.mlp).register_forward_hook(lambda m, a, out, li=li: routes.__setitem__(li, (out[2].clone(), torch.softmax(out[0], -1)))))
     try:
         with torch.no_grad():
             model(torch.tensor([ids]), use_cache=False)
