@@ -220,9 +220,13 @@ ROPE_COS_SIN = [
 ]
 
 
-# GPT-OSS: half tables, no cat (modeling_gpt_oss.GptOssRotaryEmbedding.forward)
-ROPE_COS_SIN_HALF = [step for step in ROPE_COS_SIN if step[0] != "emb"]
-ROPE_COS_SIN_HALF = [(n, t, tuple(V("freqs") if a == V("emb") else a for a in args), kw) for n, t, args, kw in ROPE_COS_SIN_HALF]
+# GPT-OSS: half tables, ``emb = freqs`` (no cat) (modeling_gpt_oss.GptOssRotaryEmbedding.forward)
+ROPE_COS_SIN_HALF = ROPE_COS_SIN[:3] + [
+    ("cos", aten.cos.default, (V("freqs"),), None),
+    ("cos_s", aten.mul.Tensor, (V("cos"), V("scale")), None),
+    ("sin", aten.sin.default, (V("freqs"),), None),
+    ("sin_s", aten.mul.Tensor, (V("sin"), V("scale")), None),
+]
 
 
 def h_rotary(ctx: Ctx) -> None:
