@@ -151,13 +151,16 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             hd = int(node.meta["val"][0].shape[-1])
             b.buffer(f"{out}.0", hd)
             b.buffer(f"{out}.1", hd)
-            b.host("rope_cos_sin", ["$pos", const_name(inv_freq)], [f"{out}.0", f"{out}.1"], attention_scaling=float(scaling))
+            half_attrs = {"half": True} if node.kwargs.get("half") else {}  # GPT-OSS half tables
+            b.host("rope_cos_sin", ["$pos", const_name(inv_freq)], [f"{out}.0", f"{out}.1"], attention_scaling=float(scaling), **half_attrs)
             buf[node.name] = out
             continue
         elif op == "rope":
             x, cos, sin, hd = node.args[:4]
             b.buffer(out, _numel(node))
             rope_attrs = {"rotary_dim": int(node.args[4])} if len(node.args) > 4 and node.args[4] is not None else {}
+            if node.kwargs.get("style", "rotate_half") != "rotate_half":
+                rope_attrs["style"] = str(node.kwargs["style"])
             b.host("rope", [arg_buf(x), arg_buf(cos), arg_buf(sin)], [out], head_dim=int(hd), **rope_attrs)
         elif op == "attention_kv":
             q, k, v, kc, vc, cpos, hq, hkv, scale = node.args[:9]
@@ -168,7 +171,10 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             kv = place_kv(b, layer, int(kshape[2]), int(hkv), int(kshape[3]))
             kv_layouts[layer] = kv
             b.buffer(out, _numel(node))
-            lower_decode_attention(b, kv, arg_buf(q), arg_buf(k), arg_buf(v), out, int(hq), float(scale), name=f"attn{layer}", window=window, softcap=softcap)
+            sinks = node.kwargs.get("sinks")
+            if sinks is not None:  # GPT-OSS per-head sink logits: a host image read by the host softmax
+                sinks = b.host_image(const_name(sinks), consts[sinks.name])
+            lower_decode_attention(b, kv, arg_buf(q), arg_buf(k), arg_buf(v), out, int(hq), float(scale), name=f"attn{layer}", window=window, softcap=softcap, sinks=sinks)
         elif op == "narrow":  # split of a fused projection (host copy of a buffer slice)
             x, start, length = node.args
             b.buffer(out, _numel(node))
@@ -214,12 +220,17 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
 
             x, rw, gu, dw, n_exp, top_k = node.args[:6]
             moe_attrs = dict(zip(("score_func", "norm_topk_prob", "act"), node.args[6:]))
-            if moe_attrs.get("act", "silu") != "silu" or _numel(node) != _numel(x):
+            if moe_attrs.get("act", "silu") not in ("silu", "swiglu_clamp") or _numel(node) != _numel(x):
                 raise CompileError(f"no lowering for this nhil::moe (act {moe_attrs.get('act')}) at {_where(node)}")
+            moe_w = {"router": (const_name(rw), consts[rw.name]), "gate_up": (const_name(gu), consts[gu.name]), "down": (const_name(dw), consts[dw.name])}
+            for key, t in node.kwargs.items():  # keyword-only attributes: optional weights (None when absent) and variant attrs
+                if isinstance(t, torch.fx.Node):
+                    moe_w[key] = (const_name(t), consts[t.name])
+                elif t is not None:
+                    moe_attrs[key] = t
             moe_info.append(lower_moe(
-                b, arg_buf(x), out,
-                {"router": (const_name(rw), consts[rw.name]), "gate_up": (const_name(gu), consts[gu.name]), "down": (const_name(dw), consts[dw.name])},
-                {"num_experts": n_exp, "top_k": top_k, "score_func": moe_attrs.get("score_func", "softmax"), "norm_topk_prob": moe_attrs.get("norm_topk_prob", True)},
+                b, arg_buf(x), out, moe_w,
+                dict(moe_attrs, num_experts=n_exp, top_k=top_k, score_func=moe_attrs.get("score_func", "softmax"), norm_topk_prob=moe_attrs.get("norm_topk_prob", True)),
                 layer=len(moe_info)))
         else:
             raise CompileError(f"no lowering for nhil::{op} at {_where(node)}")

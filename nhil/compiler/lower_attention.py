@@ -77,13 +77,15 @@ def lower_bias(b: ProgramBuilder, acc: str, bias_name: str, bias, out: str, n: i
 
 
 def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: str, out: str, num_heads: int, scale: float, name: str,
-                           window: int | None = None, softcap: float | None = None) -> None:
+                           window: int | None = None, softcap: float | None = None, sinks: str | None = None) -> None:
     """Emit KV append, q·Kᵀ (PIM), masked softmax (host), p·V (PIM) for one decode token.
 
     Buffers: ``q`` [num_heads*hd], ``k``/``v`` [kv_heads*hd] (k already RoPE'd), ``out``
     [num_heads*hd] (heads concatenated). ``name`` prefixes the scratch buffers.
     ``window`` (sliding window W: keys ``pos-W < j <= pos``) and ``softcap`` (logit
     soft-cap ``c*tanh(s/c)``) are attributes of the host softmax; the PIM part is the same.
+    ``sinks``: host image of the per-head sink logits [num_heads] (GPT-OSS), an extra
+    softmax input (its column is dropped after the softmax).
     """
     d = b.d
     hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
@@ -116,7 +118,9 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
         extra["window"] = int(window)
     if softcap is not None:
         extra["softcap"] = float(softcap)
-    b.host("masked_softmax", [scores, "$pos"], [probs], num_heads=num_heads, max_len=L, scale=float(scale), **extra)
+    if sinks is not None:
+        extra["sinks"] = True
+    b.host("masked_softmax", [scores, "$pos"] + ([sinks] if sinks is not None else []), [probs], num_heads=num_heads, max_len=L, scale=float(scale), **extra)
     b.invalidate_gb()
     # -- out_j = p_j · Vᵀ rows of head j's slots
     jobs = []

@@ -18,6 +18,19 @@ Per MoE layer (one token per step, ``x`` the [H] host buffer of the block input)
    (``y * w[:, None]`` -> ``view(1, k, H).sum(1)``). Only the routed experts' GEMVs are
    issued. See ``docs/isa.md`` ("Runtime: data-dependent MoE dispatch").
 
+**GPT-OSS** (``experts_layout='transposed_interleaved'``, ``act='swiglu_clamp'``): the
+router bias is added on the host after the router GEMV, ``moe_route`` does top-k then
+softmax; each expert's gate / up matrices are the even / odd columns of
+``gate_up_proj[e]`` ([H, 2I]) transposed, its down matrix ``down_proj[e]ᵀ``; in the
+sub-program ``HOST moe_swiglu_clamp`` adds the gate / up biases and applies the clamped
+SwiGLU, and a ``HOST add`` adds the down bias after the down GEMV.
+
+A **shared expert** (Qwen2-MoE) runs in the linear stream before the router, for every
+token: gate / up GEMVs, ``HOST silu_mul``, down GEMV, and the [1,H] GEMV of its sigmoid
+gate; the dispatch then writes the routed combine to ``{out}.moe.routed`` and
+``HOST moe_shared_add`` forms ``out = routed + sigmoid(gate) * shared`` (the reference
+kernel's ops, :func:`nhil.compiler.primitives.moe_ref`).
+
 The builder's global-buffer tracking is reset at every sub-program boundary (what the GB
 holds there depends on which experts ran), and sub-programs are bf16-only (W_FMT 0).
 """
@@ -25,7 +38,12 @@ holds there depends on which experts ran), and sub-programs are bf16-only (W_FMT
 from __future__ import annotations
 
 from nhil.compiler.builder import ProgramBuilder
+from nhil.compiler.lower_attention import lower_bias
 from nhil.errors import CompileError
+
+
+SHARED_KEYS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared_expert_gate")
+GPT_OSS_KEYS = ("router_bias", "gate_up_bias", "down_bias")
 
 
 def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dict, layer: int) -> dict:
@@ -35,49 +53,119 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         b: the program builder.
         x_buf: host buffer of the block input [H].
         out: host buffer for the block output [H] (declared here).
-        weights: ``{"router": (name, [E,H]), "gate_up": (name, [E,2I,H]), "down": (name, [E,H,I])}``.
-        attrs: ``num_experts``, ``top_k``, ``score_func``, ``norm_topk_prob``.
+        weights: ``{"router": (name, [E,H]), "gate_up": (name, [E,2I,H]), "down": (name, [E,H,I])}``,
+            optionally a shared expert ``"shared_gate_proj"`` / ``"shared_up_proj"`` ([I_s,H]),
+            ``"shared_down_proj"`` ([H,I_s]) and its sigmoid gate ``"shared_expert_gate"`` ([1,H]).
+            GPT-OSS: ``"router_bias"`` [E], ``"gate_up_bias"`` [E,2I], ``"down_bias"`` [E,H] with
+            ``gate_up`` [E,H,2I] (interleaved gate/up columns) and ``down`` [E,I,H].
+        attrs: ``num_experts``, ``top_k``, ``score_func``, ``norm_topk_prob``; optionally
+            ``act`` (``silu`` / ``swiglu_clamp`` with ``swiglu_alpha``, ``swiglu_limit``),
+            ``softmax_after_topk``, ``experts_layout`` (``concat`` / ``transposed_interleaved``).
         layer: MoE layer ordinal (names buffers, recorded in host-op attrs).
     Returns:
         metadata for ``program.info["moe"]``.
     Raises:
-        CompileError: inconsistent shapes or weight format state.
+        CompileError: inconsistent shapes, an unknown weight key, or weight format state.
     """
+    unknown = set(weights) - {"router", "gate_up", "down", *SHARED_KEYS, *GPT_OSS_KEYS}
+    unknown_attrs = set(attrs) - {"num_experts", "top_k", "score_func", "norm_topk_prob", "act", "softmax_after_topk", "experts_layout", "swiglu_alpha", "swiglu_limit"}
+    if unknown or unknown_attrs:
+        raise CompileError(f"moe layer {layer}: no lowering for moe attributes {sorted(unknown | unknown_attrs)}")
     (rn, rw), (gn, gu), (dn, dw) = weights["router"], weights["gate_up"], weights["down"]
     e_count, k = int(attrs["num_experts"]), int(attrs["top_k"])
     h = int(rw.shape[1])
-    i2 = int(gu.shape[1])
-    if tuple(gu.shape) != (e_count, i2, h) or tuple(dw.shape) != (e_count, h, i2 // 2) or i2 % 2:
+    gpt_oss = attrs.get("experts_layout", "concat") == "transposed_interleaved"
+    if gpt_oss != (attrs.get("act", "silu") == "swiglu_clamp") or gpt_oss != ("gate_up_bias" in weights) or gpt_oss != ("down_bias" in weights):
+        raise CompileError(f"moe layer {layer}: the transposed_interleaved layout goes with act='swiglu_clamp' and expert biases, and only with them")
+    if gpt_oss:  # [E, H, 2I] interleaved -> per-expert gate / up [I, H]; down [E, I, H] -> [H, I]
+        i2 = int(gu.shape[2])
+        ok = tuple(gu.shape) == (e_count, h, i2) and tuple(dw.shape) == (e_count, i2 // 2, h) and tuple(weights["gate_up_bias"][1].shape) == (e_count, i2) \
+            and tuple(weights["down_bias"][1].shape) == (e_count, h)
+    else:
+        i2 = int(gu.shape[1])
+        ok = tuple(gu.shape) == (e_count, i2, h) and tuple(dw.shape) == (e_count, h, i2 // 2)
+    if not ok or i2 % 2:
         raise CompileError(f"moe layer {layer}: inconsistent expert weights gate_up {tuple(gu.shape)}, down {tuple(dw.shape)}")
     inter = i2 // 2
     pre = f"{out}.moe"
+    shared = _lower_shared_expert(b, x_buf, pre, weights, h, layer) if "shared_gate_proj" in weights else None
     pr = b.place_matrix(rn, rw)
     b.buffer(f"{pre}.logits", e_count)
-    b.gemv(pr, x_buf, f"{pre}.logits")
+    if "router_bias" in weights:  # GPT-OSS router bias, added on the host after RD_ACC (as a biased linear)
+        b.gemv(pr, x_buf, f"{pre}.logits.acc")
+        lower_bias(b, f"{pre}.logits.acc", weights["router_bias"][0], weights["router_bias"][1], f"{pre}.logits", e_count)
+    else:
+        b.gemv(pr, x_buf, f"{pre}.logits")
     b.buffer(f"{pre}.route", 2 * k)
-    b.host("moe_route", [f"{pre}.logits"], [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]))
+    route_attrs = {"softmax_after_topk": True} if attrs.get("softmax_after_topk") else {}
+    b.host("moe_route", [f"{pre}.logits"], [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]), **route_attrs)
     markers, ys, macs = [], [], []
     for e in range(e_count):
         if b._wfmt != 0:
             raise CompileError(f"moe layer {layer}: expert sub-programs must start with W_FMT = bf16")
         b.invalidate_gb()
-        pg = b.place_matrix(f"{gn}.{e}.gate", gu[e, :inter])
-        pu = b.place_matrix(f"{gn}.{e}.up", gu[e, inter:])
-        pd = b.place_matrix(f"{dn}.{e}", dw[e])
+        if gpt_oss:
+            pg = b.place_matrix(f"{gn}.{e}.gate", gu[e, :, 0::2].t())
+            pu = b.place_matrix(f"{gn}.{e}.up", gu[e, :, 1::2].t())
+            pd = b.place_matrix(f"{dn}.{e}", dw[e].t())
+            bname, gub = weights["gate_up_bias"]
+            gb, ub = b.host_image(f"{bname}.{e}.gate", gub[e, 0::2]), b.host_image(f"{bname}.{e}.up", gub[e, 1::2])
+            db = b.host_image(f"{weights['down_bias'][0]}.{e}", weights["down_bias"][1][e])
+        else:
+            pg = b.place_matrix(f"{gn}.{e}.gate", gu[e, :inter])
+            pu = b.place_matrix(f"{gn}.{e}.up", gu[e, inter:])
+            pd = b.place_matrix(f"{dn}.{e}", dw[e])
         b.host("moe_expert", [], [], layer=layer, expert=e)
         markers.append(len(b.host_ops) - 1)
         start = len(b.instrs)
         g, u, a, y = (b.buffer(f"{pre}.e{e}.{s}", n) for s, n in (("gate", inter), ("up", inter), ("act", inter), ("y", h)))
         b.gemv(pg, x_buf, g)
         b.gemv(pu, x_buf, u)
-        b.host("silu_mul", [g, u], [a])
-        b.gemv(pd, a, y)
+        if gpt_oss:  # biases + clamped SwiGLU on the host, down GEMV, down bias on the host
+            b.host("moe_swiglu_clamp", [g, u, gb, ub], [a], alpha=float(attrs["swiglu_alpha"]), limit=float(attrs["swiglu_limit"]))
+            b.gemv(pd, a, b.buffer(f"{y}.acc", h))
+            b.host("add", [f"{y}.acc", db], [y])
+        else:
+            b.host("silu_mul", [g, u], [a])
+            b.gemv(pd, a, y)
         b.sync()
         macs.append(sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB"))
         ys.append(y)
     b.invalidate_gb()
+    routed = out if shared is None else b.buffer(f"{pre}.routed", h)
     b.buffer(out, h)
-    b.host("moe_dispatch", [f"{pre}.route", *ys], [out], layer=layer, experts=markers, top_k=k, num_experts=e_count)
-    return {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
+    b.host("moe_dispatch", [f"{pre}.route", *ys], [routed], layer=layer, experts=markers, top_k=k, num_experts=e_count)
+    info = {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
             "norm_topk_prob": bool(attrs["norm_topk_prob"]), "expert_markers": markers, "dispatch": len(b.host_ops) - 1,
             "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows)}
+    if shared is not None:
+        ins = [routed, shared["y"]] + ([shared["gate"]] if shared["gate"] else [])
+        b.host("moe_shared_add", ins, [out], gated=shared["gate"] is not None)
+        info["shared_mac_ab"] = shared["mac_ab"]
+        info["shared_gated"] = shared["gate"] is not None
+    return info
+
+
+def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, h: int, layer: int) -> dict:
+    """The shared expert, in the linear stream (it runs for every token): gate and up GEMVs
+    of ``x``, ``HOST silu_mul``, down GEMV into ``{pre}.shared.y``, and with a sigmoid gate
+    its [1,H] GEMV into ``{pre}.shared.gate`` (the sigmoid itself is applied by
+    ``HOST moe_shared_add`` after the routed combine). Returns buffer names and MAC count."""
+    (gn, gw), (un, uw), (dn, dw) = weights["shared_gate_proj"], weights["shared_up_proj"], weights["shared_down_proj"]
+    inter = int(gw.shape[0])
+    if tuple(gw.shape) != (inter, h) or tuple(uw.shape) != (inter, h) or tuple(dw.shape) != (h, inter):
+        raise CompileError(f"moe layer {layer}: inconsistent shared expert weights gate {tuple(gw.shape)}, up {tuple(uw.shape)}, down {tuple(dw.shape)}")
+    start = len(b.instrs)
+    g, u, a, y = (b.buffer(f"{pre}.shared.{s}", n) for s, n in (("g", inter), ("u", inter), ("act", inter), ("y", h)))
+    b.gemv(b.place_matrix(gn, gw), x_buf, g)
+    b.gemv(b.place_matrix(un, uw), x_buf, u)
+    b.host("silu_mul", [g, u], [a])
+    b.gemv(b.place_matrix(dn, dw), a, y)
+    gate = None
+    if "shared_expert_gate" in weights:
+        sn, sw = weights["shared_expert_gate"]
+        if tuple(sw.shape) != (1, h):
+            raise CompileError(f"moe layer {layer}: shared expert gate {tuple(sw.shape)} is not [1, H={h}]")
+        gate = b.buffer(f"{pre}.shared.gate", 1)
+        b.gemv(b.place_matrix(sn, sw), x_buf, gate)
+    return {"y": y, "gate": gate, "mac_ab": sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB")}

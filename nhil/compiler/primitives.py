@@ -29,17 +29,17 @@ _SCHEMAS = {
     "softcap": "softcap(Tensor x, float cap) -> Tensor",
     "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps, int? head_dim=None, bool unit_offset=False) -> Tensor",
     "linear": "linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
-    "rope_cos_sin": "rope_cos_sin(Tensor position_ids, Tensor inv_freq, float attention_scaling) -> (Tensor, Tensor)",
-    "rope": "rope(Tensor x, Tensor cos, Tensor sin, int head_dim, int? rotary_dim=None) -> Tensor",
+    "rope_cos_sin": "rope_cos_sin(Tensor position_ids, Tensor inv_freq, float attention_scaling, *, bool half=False) -> (Tensor, Tensor)",
+    "rope": "rope(Tensor x, Tensor cos, Tensor sin, int head_dim, int? rotary_dim=None, *, str style='rotate_half') -> Tensor",
     "narrow": "narrow(Tensor x, int start, int length) -> Tensor",
     "attention_kv": (
         "attention_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor cache_position, int num_heads, int num_kv_heads, float scale, int? window=None, "
-        "float? softcap=None) -> Tensor"
+        "float? softcap=None, *, Tensor? sinks=None) -> Tensor"
     ),
     "attention": (
         "attention(Tensor q, Tensor k, Tensor v, int num_heads, int num_kv_heads, float scale, "
-        "int? window=None, float? softcap=None) -> Tensor"
+        "int? window=None, float? softcap=None, *, Tensor? sinks=None) -> Tensor"
     ),
     "silu_mul": "silu_mul(Tensor gate, Tensor up) -> Tensor",
     "add": "add(Tensor a, Tensor b) -> Tensor",
@@ -48,7 +48,13 @@ _SCHEMAS = {
     "pos_embedding": "pos_embedding(Tensor x, Tensor table, Tensor position_ids) -> Tensor",
     "moe": (
         "moe(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int num_experts, int top_k, "
-        "str score_func='softmax', bool norm_topk_prob=True, str act='silu') -> Tensor"
+        "str score_func='softmax', bool norm_topk_prob=True, str act='silu', *, "
+        # shared expert (Qwen2-MoE: SwiGLU MLP on every token, optionally sigmoid-gated)
+        "Tensor? shared_gate_proj=None, Tensor? shared_up_proj=None, Tensor? shared_down_proj=None, "
+        "Tensor? shared_expert_gate=None, "
+        # GPT-OSS: biased router, top-k -> softmax, transposed interleaved biased experts, clamped SwiGLU
+        "Tensor? router_bias=None, bool softmax_after_topk=False, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+        "str experts_layout='concat', float swiglu_alpha=1.702, float swiglu_limit=7.0) -> Tensor"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -198,18 +204,22 @@ def _positions_2d(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 @_impl("rope_cos_sin")
-def rope_cos_sin_ref(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float):
+def rope_cos_sin_ref(position_ids: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, *, half: bool = False):
     """Default-RoPE tables: position_ids [B,S] int64 (or [S], read as [1,S]), inv_freq [hd/2] fp32
     -> (cos, sin), each [B,S,hd] fp32.
 
     ``freqs = pos[..., None].float() * inv_freq``; ``emb = cat(freqs, freqs)``;
     ``cos = emb.cos() * scaling``, ``sin = emb.sin() * scaling``
     (modeling_llama.LlamaRotaryEmbedding.forward in transformers 5.24, which uses a
-    broadcast multiply, not the older matmul).
+    broadcast multiply, not the older matmul). The inv_freq buffer carries the scaling
+    type (default / linear / llama3 / YaRN frequencies), ``attention_scaling`` YaRN's mscale.
+
+    ``half``: tables of hd/2 frequencies, ``emb = freqs`` (no cat) -> [B,S,hd/2]
+    (modeling_gpt_oss.GptOssRotaryEmbedding.forward), for ``rope(style='split_half')``.
     """
     pos = _positions_2d(position_ids)
     freqs = pos[..., None].float() * inv_freq.to(dtype=torch.float)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = freqs if half else torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos() * attention_scaling
     sin = emb.sin() * attention_scaling
     return cos, sin
@@ -233,17 +243,42 @@ def _apply_rope(xh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xh * cos) + (_rotate_half(xh) * sin)
 
 
+def _apply_rope_split_half(xh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """modeling_gpt_oss._apply_rotary_emb with half tables: ``x1, x2 = chunk(x, 2)``;
+    ``cat(x1*cos - x2*sin, x2*cos + x1*sin)``."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    x1, x2 = torch.chunk(xh, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+ROPE_STYLES = ("rotate_half", "split_half")
+
+
 @_impl("rope")
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim=None) -> torch.Tensor:
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim=None, *, style: str = "rotate_half") -> torch.Tensor:
     """Rotate-half RoPE per head: x [B,S,nh*hd], cos/sin [B,S,rd] -> [B,S,nh*hd] (same layout).
 
     ``x*cos + rotate_half(x)*sin`` per head (modeling_llama.apply_rotary_pos_emb). With
     ``rotary_dim`` rd < hd (partial rotary, Phi-3 ``partial_rotary_factor``): only the
     first rd elements of each head rotate, the rest pass through
     (modeling_phi3.apply_rotary_pos_emb: slice, rotate, cat).
+
+    ``style='split_half'`` (GPT-OSS): cos/sin are half tables [B,S,hd/2]
+    (``rope_cos_sin(half=True)``) and each head is rotated as
+    ``cat(x1*cos - x2*sin, x2*cos + x1*sin)`` (modeling_gpt_oss._apply_rotary_emb).
+
+    Raises:
+        ValueError: unknown style, or split_half with partial rotary.
     """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"rope style {style!r} is not supported ({', '.join(ROPE_STYLES)})")
     b, s, _ = x.shape
     xh = _heads(x, head_dim)
+    if style == "split_half":
+        if rotary_dim is not None:
+            raise ValueError("rope style 'split_half' with partial rotary is not supported")
+        return _apply_rope_split_half(xh, cos, sin).transpose(1, 2).reshape(b, s, -1).contiguous()
     if rotary_dim is None:
         out = _apply_rope(xh, cos, sin)
     else:
@@ -292,17 +327,40 @@ def visible_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.
     return vis
 
 
-def _attend(qh, kh, vh, vis, scale, s, softcap):
+def _attend_sinks(qh, kh, vh, fmask, scale, s, sinks):
+    """Eager attention with per-head sink logits (modeling_gpt_oss.eager_attention_forward):
+    ``matmul(q, kᵀ)*scale + additive mask``, the sink logit of each head appended as an
+    extra column, ``- max``, softmax (fp32), sink column dropped, ``matmul(·, v)``."""
+    b = qh.shape[0]
+    w = torch.matmul(qh, kh.transpose(2, 3)) * scale
+    w = w + fmask
+    sk = sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)
+    comb = torch.cat([w, sk], dim=-1)
+    comb = comb - comb.max(dim=-1, keepdim=True).values
+    probs = F.softmax(comb, dim=-1, dtype=comb.dtype)
+    o = torch.matmul(probs[..., :-1], vh)
+    return o.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
+
+
+def _attend(qh, kh, vh, vis, scale, s, softcap, sinks=None):
     """Attention core over [B,H,*,hd] heads with bool visibility ``vis`` [S, L].
 
     * ``softcap is None``: SDPA with the boolean mask (integrations/sdpa_attention.py).
     * ``softcap`` set: the eager form of gemma2's ``eager_attention_forward``:
       ``matmul(q, kᵀ)*scale / c -> tanh -> *c -> + additive mask (0 / finfo.min,
       masking_utils.eager_mask) -> softmax(fp32) -> matmul(·, v)``.
+    * ``sinks`` [Hq] set: GPT-OSS eager attention with sinks (:func:`_attend_sinks`).
     Output re-laid out to [B,S,Hq*hd].
     """
     b, _, _, hd = qh.shape
     mask = vis[None, None].expand(b, -1, s, vis.shape[-1])
+    if sinks is not None:
+        if softcap is not None:
+            raise ValueError("attention with both sinks and a soft-cap is not supported")
+        if sinks.shape != (qh.shape[1],):
+            raise ValueError(f"attention sinks {tuple(sinks.shape)} must be one logit per query head ({qh.shape[1]})")
+        fmask = torch.where(mask, torch.zeros((), dtype=qh.dtype), torch.finfo(qh.dtype).min)
+        return _attend_sinks(qh, kh, vh, fmask, scale, s, sinks)
     if softcap is None:
         return _sdpa_flat(qh, kh, vh, mask, scale, s)
     fmask = torch.where(mask, torch.zeros((), dtype=qh.dtype), torch.finfo(qh.dtype).min)
@@ -317,14 +375,15 @@ def _attend(qh, kh, vh, vis, scale, s, softcap):
 
 
 @_impl("attention_kv")
-def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, num_kv_heads: int, scale: float, window=None, softcap=None):
+def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, num_kv_heads: int, scale: float, window=None, softcap=None, *, sinks=None):
     """Static-KV-cache causal GQA attention.
 
     q [B,S,Hq*hd], k/v [B,S,Hkv*hd] (k already RoPE'd), k_cache/v_cache [B,Hkv,L,hd]
     (mutated in place: ``index_copy_(2, cache_position, ·)``), cache_position [S] int64
     -> [B,S,Hq*hd]. Key j is visible to query i iff ``j <= cache_position[i]`` and, with
     a sliding ``window`` W, ``j > cache_position[i] - W``. ``softcap`` c: attention logits
-    soft-capped ``c*tanh(s/c)`` (eager form, see :func:`_attend`).
+    soft-capped ``c*tanh(s/c)`` (eager form, see :func:`_attend`). ``sinks`` [Hq]: a learned
+    per-head logit in the softmax denominator (GPT-OSS, :func:`_attend_sinks`).
     Source: transformers StaticCache.update (index_copy_), masking_utils causal /
     sliding-window masks (bool [B,1,S,L]), modeling_llama.repeat_kv and
     sdpa_attention_forward (``F.scaled_dot_product_attention(q, k, v, mask, scale=scale)``),
@@ -338,11 +397,11 @@ def attention_kv_ref(q, k, v, k_cache, v_cache, cache_position, num_heads: int, 
     k_cache.index_copy_(2, cache_position, _heads(k, hd))
     v_cache.index_copy_(2, cache_position, _heads(v, hd))
     vis = visible_mask(cache_position, k_cache.shape[2], window)
-    return _attend(_heads(q, hd), _repeat_kv(k_cache, n_rep), _repeat_kv(v_cache, n_rep), vis, scale, s, softcap)
+    return _attend(_heads(q, hd), _repeat_kv(k_cache, n_rep), _repeat_kv(v_cache, n_rep), vis, scale, s, softcap, sinks)
 
 
 @_impl("attention")
-def attention_ref(q, k, v, num_heads: int, num_kv_heads: int, scale: float, window=None, softcap=None):
+def attention_ref(q, k, v, num_heads: int, num_kv_heads: int, scale: float, window=None, softcap=None, *, sinks=None):
     """Causal GQA attention without cache (prefill from position 0).
 
     q [B,S,Hq*hd], k/v [B,S,Hkv*hd] -> [B,S,Hq*hd]; key j visible to query i iff j <= i
@@ -355,7 +414,7 @@ def attention_ref(q, k, v, num_heads: int, num_kv_heads: int, scale: float, wind
     hd, n_rep = _check_heads(q, k, num_heads, num_kv_heads)
     b, s, _ = q.shape
     vis = visible_mask(torch.arange(s, device=q.device), s, window)
-    return _attend(_heads(q, hd), _repeat_kv(_heads(k, hd), n_rep), _repeat_kv(_heads(v, hd), n_rep), vis, scale, s, softcap)
+    return _attend(_heads(q, hd), _repeat_kv(_heads(k, hd), n_rep), _repeat_kv(_heads(v, hd), n_rep), vis, scale, s, softcap, sinks)
 
 
 @_impl("silu_mul")
@@ -371,11 +430,16 @@ def add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 MOE_SCORE_FUNCS = ("softmax",)
-MOE_ACTS = ("silu",)
+MOE_ACTS = ("silu", "swiglu_clamp")
+MOE_LAYOUTS = ("concat", "transposed_interleaved")
 
 
-def moe_routing(logits: torch.Tensor, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True):
+def moe_routing(logits: torch.Tensor, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, softmax_after_topk: bool = False):
     """Routing rule of :func:`moe_ref`: router logits [T,E] fp32 -> (weights [T,k] fp32, expert ids [T,k] int64).
+
+    ``softmax_after_topk`` (GPT-OSS): ``topk`` of the logits, then ``softmax`` (fp32) over
+    the k selected logits, dim 1 (modeling_gpt_oss.GptOssTopKRouter.forward); the router
+    bias is part of the logits. ``norm_topk_prob`` does not apply then. Otherwise:
 
     ``softmax`` (fp32) -> ``topk(k)`` (largest, sorted; ties resolved as torch.topk on CPU
     does, which is *not* lowest index first: all-equal [1,4] scores select experts 2, 3) -> with ``norm_topk_prob`` the in-place renormalisation
@@ -385,6 +449,9 @@ def moe_routing(logits: torch.Tensor, top_k: int, score_func: str = "softmax", n
     """
     if score_func not in MOE_SCORE_FUNCS:
         raise ValueError(f"moe score function {score_func!r} is not supported ({', '.join(MOE_SCORE_FUNCS)})")
+    if softmax_after_topk:
+        v, ids = torch.topk(logits, top_k)
+        return F.softmax(v, dim=1, dtype=torch.float32), ids
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     w, ids = torch.topk(probs, top_k)
     if norm_topk_prob:
@@ -402,9 +469,65 @@ def moe_expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, i
     return torch.bmm(down[ids], a.unsqueeze(-1)).squeeze(-1)
 
 
+def moe_shared_expert(hs: torch.Tensor, gate_proj, up_proj, down_proj, expert_gate=None) -> torch.Tensor:
+    """Shared expert of a MoE block, run on every token: hs [T,H] fp32 -> [T,H].
+
+    ``down(silu(gate(hs)) * up(hs))`` with gate/up [I,H], down [H,I] (a SwiGLU
+    ``Qwen2MoeMLP``), then, with ``expert_gate`` [1,H], scaled by
+    ``sigmoid(F.linear(hs, expert_gate))`` ([T,1], broadcast over H). Source:
+    modeling_qwen2_moe.Qwen2MoeSparseMoeBlock.forward / Qwen2MoeMLP.forward (transformers 5.24).
+    """
+    y = F.linear(F.silu(F.linear(hs, gate_proj)) * F.linear(hs, up_proj), down_proj)
+    if expert_gate is not None:
+        y = F.sigmoid(F.linear(hs, expert_gate)) * y
+    return y
+
+
+def _check_shared(h: int, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate) -> None:
+    """Shapes of the shared-expert tensors of :func:`moe_ref` (all three projections or none)."""
+    given = [t is not None for t in (shared_gate_proj, shared_up_proj, shared_down_proj)]
+    if any(given) and not all(given):
+        raise ValueError("moe shared expert needs all of shared_gate_proj, shared_up_proj and shared_down_proj")
+    if shared_expert_gate is not None and not all(given):
+        raise ValueError("moe shared_expert_gate given without a shared expert")
+    if all(given):
+        i = shared_gate_proj.shape[0]
+        ok = tuple(shared_gate_proj.shape) == (i, h) and tuple(shared_up_proj.shape) == (i, h) and tuple(shared_down_proj.shape) == (h, i)
+        if not ok or (shared_expert_gate is not None and tuple(shared_expert_gate.shape) != (1, h)):
+            raise ValueError(
+                f"inconsistent moe shared-expert shapes: gate {tuple(shared_gate_proj.shape)}, up {tuple(shared_up_proj.shape)}, "
+                f"down {tuple(shared_down_proj.shape)}, expert gate {None if shared_expert_gate is None else tuple(shared_expert_gate.shape)} (H={h})")
+
+
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS clamped SwiGLU: ``g = gate.clamp(max=limit)``, ``u = up.clamp(-limit, limit)``,
+    ``(u + 1) * (g * sigmoid(g * alpha))`` (modeling_gpt_oss.GptOssExperts._apply_gate)."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
+def moe_expert_ffn_gpt_oss(x, gate_up, gate_up_bias, down, down_bias, ids, alpha: float, limit: float) -> torch.Tensor:
+    """Per-slot expert FFN of GPT-OSS with ``batched_mm`` (integrations/moe._batched_linear with
+    ``is_transposed=True``, ``has_bias=True``): x [S,H], gate_up [E,H,2I] (gate = even columns,
+    up = odd columns), gate_up_bias [E,2I], down [E,I,H], down_bias [E,H], ids [S] -> [S,H].
+    ``bmm(x[:,None], gate_up[ids]) + bias`` -> :func:`swiglu_clamp` of the strided halves ->
+    ``bmm(·[:,None], down[ids]) + bias``."""
+    gu = torch.bmm(x.unsqueeze(1), gate_up[ids]).squeeze(1)
+    gu.add_(gate_up_bias[ids])
+    a = swiglu_clamp(gu[..., ::2], gu[..., 1::2], alpha, limit)
+    y = torch.bmm(a.unsqueeze(1), down[ids]).squeeze(1)
+    y.add_(down_bias[ids])
+    return y
+
+
 @_impl("moe")
-def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, act: str = "silu"):
-    """Sparse MoE block (routed experts only): x [B,S,H] fp32 -> [B,S,H].
+def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, act: str = "silu",
+            *, shared_gate_proj=None, shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None,
+            router_bias=None, softmax_after_topk: bool = False, gate_up_bias=None, down_bias=None,
+            experts_layout: str = "concat", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+    """Sparse MoE block: x [B,S,H] fp32 -> [B,S,H].
 
     router_weight [E,H]; gate_up_proj [E,2I,H] (gate rows first, then up rows);
     down_proj [E,H,I]. Routing: :func:`moe_routing` over ``F.linear(x, router_weight)``.
@@ -415,22 +538,51 @@ def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: 
     Qwen3MoeSparseMoeBlock, integrations/moe.batched_mm_experts_forward), so the exported
     region raises bit-exactly.
 
+    Keyword-only (all default to "absent"): a shared expert ``shared_gate_proj`` /
+    ``shared_up_proj`` [I_s,H], ``shared_down_proj`` [H,I_s], run on every token, with an
+    optional sigmoid gate ``shared_expert_gate`` [1,H] (:func:`moe_shared_expert`); the
+    block output is then ``routed + shared`` (Qwen2-MoE).
+
+    GPT-OSS (modeling_gpt_oss.GptOssMLP / GptOssTopKRouter / GptOssExperts with
+    ``batched_mm``): ``router_bias`` [E] added by the router linear; ``softmax_after_topk``
+    (:func:`moe_routing`); ``experts_layout='transposed_interleaved'``: gate_up_proj
+    [E,H,2I] with interleaved gate/up columns, down_proj [E,I,H], with ``gate_up_bias``
+    [E,2I] and ``down_bias`` [E,H] (:func:`moe_expert_ffn_gpt_oss`); ``act='swiglu_clamp'``
+    with ``swiglu_alpha`` / ``swiglu_limit`` (:func:`swiglu_clamp`).
+
     Raises:
         ValueError: unsupported score function / activation, or inconsistent shapes.
     """
     if act not in MOE_ACTS:
         raise ValueError(f"moe activation {act!r} is not supported ({', '.join(MOE_ACTS)})")
+    if experts_layout not in MOE_LAYOUTS:
+        raise ValueError(f"moe experts layout {experts_layout!r} is not supported ({', '.join(MOE_LAYOUTS)})")
+    gpt_oss = experts_layout == "transposed_interleaved"
+    if gpt_oss != (act == "swiglu_clamp") or gpt_oss != (gate_up_bias is not None) or gpt_oss != (down_bias is not None):
+        raise ValueError("moe: the transposed_interleaved layout goes with act='swiglu_clamp' and expert biases (GPT-OSS), and only with them")
     b, s, h = x.shape
     e = router_weight.shape[0]
-    if e != num_experts or gate_up_proj.shape[0] != e or down_proj.shape[0] != e or gate_up_proj.shape[2] != h or down_proj.shape[1] != h or not 0 < top_k <= e:
+    hdim, odim = (1, 2) if gpt_oss else (2, 1)
+    if e != num_experts or gate_up_proj.shape[0] != e or down_proj.shape[0] != e or gate_up_proj.shape[hdim] != h or down_proj.shape[odim] != h or not 0 < top_k <= e:
         raise ValueError(f"inconsistent moe shapes: x {tuple(x.shape)}, router {tuple(router_weight.shape)}, gate_up {tuple(gate_up_proj.shape)}, down {tuple(down_proj.shape)}, E={num_experts}, k={top_k}")
+    if router_bias is not None and tuple(router_bias.shape) != (e,):
+        raise ValueError(f"moe router bias {tuple(router_bias.shape)} is not [E={e}]")
+    _check_shared(h, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
     hs = x.view(-1, h)
-    logits = F.linear(hs.reshape(-1, h), router_weight)
-    w, ids = moe_routing(logits, top_k, score_func, norm_topk_prob)
+    shared = None
+    if shared_gate_proj is not None:
+        shared = moe_shared_expert(hs, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
+    logits = F.linear(hs.reshape(-1, h), router_weight, router_bias)
+    w, ids = moe_routing(logits, top_k, score_func, norm_topk_prob, softmax_after_topk)
     xs = hs.repeat_interleave(top_k, dim=0)
-    y = moe_expert_ffn(xs, gate_up_proj, down_proj, ids.reshape(-1))
+    if gpt_oss:
+        y = moe_expert_ffn_gpt_oss(xs, gate_up_proj, gate_up_bias, down_proj, down_bias, ids.reshape(-1), swiglu_alpha, swiglu_limit)
+    else:
+        y = moe_expert_ffn(xs, gate_up_proj, down_proj, ids.reshape(-1))
     y = y * w.reshape(-1).unsqueeze(-1)
     out = y.view(-1, top_k, h).sum(dim=1)
+    if shared is not None:
+        out = out + shared
     return out.reshape(b, s, h)
 
 
@@ -463,14 +615,14 @@ def _linear_fake(x, weight, bias):
 
 
 @_fake("rope_cos_sin")
-def _rope_cos_sin_fake(position_ids, inv_freq, attention_scaling):
+def _rope_cos_sin_fake(position_ids, inv_freq, attention_scaling, *, half=False):
     pos = _positions_2d(position_ids)
-    shape = (*pos.shape, 2 * inv_freq.shape[0])
+    shape = (*pos.shape, (1 if half else 2) * inv_freq.shape[0])
     return inv_freq.new_empty(shape, dtype=torch.float32), inv_freq.new_empty(shape, dtype=torch.float32)
 
 
 @_fake("rope")
-def _rope_fake(x, cos, sin, head_dim, rotary_dim=None):
+def _rope_fake(x, cos, sin, head_dim, rotary_dim=None, **kwargs):
     return torch.empty_like(x)
 
 
@@ -480,12 +632,12 @@ def _narrow_fake(x, start, length):
 
 
 @_fake("attention_kv")
-def _attention_kv_fake(q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale, window=None, softcap=None):
+def _attention_kv_fake(q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale, window=None, softcap=None, **kwargs):
     return torch.empty_like(q)
 
 
 @_fake("attention")
-def _attention_fake(q, k, v, num_heads, num_kv_heads, scale, window=None, softcap=None):
+def _attention_fake(q, k, v, num_heads, num_kv_heads, scale, window=None, softcap=None, **kwargs):
     return torch.empty_like(q)
 
 
@@ -515,5 +667,5 @@ def _pos_embedding_fake(x, table, position_ids):
 
 
 @_fake("moe")
-def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu"):
+def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu", **kwargs):
     return torch.empty_like(x)

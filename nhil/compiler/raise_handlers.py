@@ -73,8 +73,9 @@ class Ctx:
             raise Mismatch(self.nodes[0], f"input {old.name} is not a tensor of the graph IR")
         return v
 
-    def emit(self, op, *args) -> fx.Node:
-        n = self.r.g.call_function(op, tuple(args))
+    def emit(self, op, *args, **kwargs) -> fx.Node:
+        """Append ``op(*args, **kwargs)`` to the new graph (kwargs: keyword-only schema attributes)."""
+        n = self.r.g.call_function(op, tuple(args), kwargs or None)
         n.meta["nn_module_stack_path"] = self.path
         n.meta["stack_trace"] = self.nodes[-1].meta.get("stack_trace")
         self.created.append(n)
@@ -202,7 +203,12 @@ def h_conv1d(ctx: Ctx) -> None:
 
 
 def h_linear(ctx: Ctx) -> None:
+    """nn.Linear -> nhil.linear; inside a MoE block (input a MoE Marker) -> a shared-expert Marker."""
     b = ctx.match([_one(aten.linear.default, (V("x"), V("w"))), _one(aten.linear.default, (V("x"), V("w"), V("bias")))])
+    xv = ctx.value(b["x"])
+    if isinstance(xv, Marker) and xv.kind in ("moe_tokens", "moe_shared_h"):
+        _moe_shared_linear(ctx, b, xv)
+        return
     bias = ctx.param(b["bias"]) if "bias" in b else None
     ctx.set(b["out"], ctx.emit(nhil.linear.default, ctx.tensor(b["x"]), ctx.param(b["w"]), bias))
 
@@ -303,12 +309,23 @@ ROPE_COS_SIN = [
 ]
 
 
+# GPT-OSS: half tables, ``emb = freqs`` (no cat) (modeling_gpt_oss.GptOssRotaryEmbedding.forward)
+ROPE_COS_SIN_HALF = ROPE_COS_SIN[:3] + [
+    ("cos", aten.cos.default, (V("freqs"),), None),
+    ("cos_s", aten.mul.Tensor, (V("cos"), V("scale")), None),
+    ("sin", aten.sin.default, (V("freqs"),), None),
+    ("sin_s", aten.mul.Tensor, (V("sin"), V("scale")), None),
+]
+
+
 def h_rotary(ctx: Ctx) -> None:
-    """LlamaRotaryEmbedding (default rope) -> nhil.rope_cos_sin + 2 getitem."""
-    b = ctx.match([ROPE_COS_SIN])
+    """RotaryEmbedding -> nhil.rope_cos_sin + 2 getitem: Llama form (``cat(freqs, freqs)``) or
+    GPT-OSS half tables (``half=True``). The inv_freq buffer carries the scaling type
+    (default / linear / llama3 / YaRN) and ``attention_scaling`` YaRN's mscale."""
+    i, b = match_any([ROPE_COS_SIN, ROPE_COS_SIN_HALF], ctx.nodes, ctx.r.canon)
     if not isinstance(b["scale"], float):
         raise Mismatch(ctx.nodes[0], "attention_scaling must be a float constant")
-    cs = ctx.emit(nhil.rope_cos_sin.default, ctx.tensor(b["pos"]), ctx.param(b["inv"]), b["scale"])
+    cs = ctx.emit(nhil.rope_cos_sin.default, ctx.tensor(b["pos"]), ctx.param(b["inv"]), b["scale"], **({"half": True} if i == 1 else {}))
     cos = ctx.r.g.call_function(operator.getitem, (cs, 0))
     sin = ctx.r.g.call_function(operator.getitem, (cs, 1))
     for n in (cos, sin):
@@ -326,6 +343,11 @@ def h_act(ctx: Ctx) -> None:
         if i != 0:
             raise Mismatch(ctx.nodes[0], "MoE experts: only the SiLU (SwiGLU) activation is supported")
         ctx.set(b["out"], Marker("moe_act", gv.data))
+        return
+    if isinstance(gv, Marker) and gv.kind == "moe_lin":  # the shared expert's act_fn (Qwen2-MoE)
+        if i != 0:
+            raise Mismatch(ctx.nodes[0], "MoE shared expert: only the SiLU (SwiGLU) activation is supported")
+        ctx.set(b["out"], Marker("moe_shared_act", gv.data))
         return
     ctx.set(b["out"], Marker(("silu", "gelu_tanh")[i], ctx.tensor(b["g"])))
 
@@ -352,6 +374,13 @@ def h_mlp(ctx: Ctx) -> None:
         return
     b = ctx.match([_one(aten.mul.Tensor, (V("s"), V("u")))])
     sv, uv = ctx.value(b["s"]), ctx.value(b["u"])
+    if isinstance(sv, Marker) and sv.kind == "moe_shared_act":  # shared expert of a MoE block
+        if not (isinstance(uv, Marker) and uv.kind == "moe_lin" and uv.data["tok"] is sv.data["tok"]):
+            raise Mismatch(ctx.nodes[0], f"MoE shared expert: {b['u'].name} is not the up projection of the same block's tokens")
+        if uv.data["shape"] != sv.data["shape"]:
+            raise Mismatch(ctx.nodes[0], f"MoE shared expert: gate {sv.data['shape']} and up {uv.data['shape']} projections differ in shape")
+        ctx.set(b["out"], Marker("moe_shared_h", {"tok": sv.data["tok"], "gate": sv.data["w"], "up": uv.data["w"], "shape": sv.data["shape"]}))
+        return
     if not isinstance(sv, Marker) and isinstance(uv, Marker):
         sv, uv, b["u"] = uv, sv, b["s"]
     if not isinstance(sv, Marker) or sv.kind not in ("silu", "gelu_tanh"):
@@ -565,6 +594,23 @@ def _rope(p, src=None, out=None):
     ]
 
 
+def _rope_split_half(p, src=None, out=None):
+    """GPT-OSS ``_apply_rotary_emb``: chunk, ``x1*cos - x2*sin``, ``x2*cos + x1*sin``, cat (half tables)."""
+    src, out = src or f"{p}_t", out or f"{p}_rot"
+    return [
+        (f"{p}_ch", aten.chunk.default, (V(src), 2, -1), None),
+        (f"{p}_x1", operator.getitem, (V(f"{p}_ch"), 0), None),
+        (f"{p}_x2", operator.getitem, (V(f"{p}_ch"), 1), None),
+        (f"{p}_a", aten.mul.Tensor, (V(f"{p}_x1"), V("cos_u")), None),
+        (f"{p}_b", aten.mul.Tensor, (V(f"{p}_x2"), V("sin_u")), None),
+        (f"{p}_first", aten.sub.Tensor, (V(f"{p}_a"), V(f"{p}_b")), None),
+        (f"{p}_c", aten.mul.Tensor, (V(f"{p}_x2"), V("cos_u")), None),
+        (f"{p}_d", aten.mul.Tensor, (V(f"{p}_x1"), V("sin_u")), None),
+        (f"{p}_second", aten.add.Tensor, (V(f"{p}_c"), V(f"{p}_d")), None),
+        (out, aten.cat.default, ([V(f"{p}_first"), V(f"{p}_second")], -1), None),
+    ]
+
+
 def _repeat(p, src):
     return [
         (f"{p}_u", aten.unsqueeze.default, (V(src), 2), None),
@@ -606,6 +652,25 @@ _SOFTCAP_TAIL = [
     ("am", aten.add.Tensor, (V("cm"), V("mask")), None),
     ("sm", aten.softmax.int, (V("am"), -1, torch.float32), None),
     ("dr", aten.dropout.default, (V("sm"), 0.0, False), None),
+    ("pv", aten.matmul.default, (V("dr"), V("v_rr")), None),
+    ("o2", aten.transpose.int, (V("pv"), 1, 2), None),
+    ("out", aten.reshape.default, (V("o2"), [V("B"), V("S"), -1]), None),
+]
+# eager attention with sinks (modeling_gpt_oss.eager_attention_forward)
+_SINKS_TAIL = [
+    ("kT", aten.transpose.int, (V("k_rr"), 2, 3), None),
+    ("o", aten.matmul.default, (V("q_rot"), V("kT")), None),
+    ("sc", aten.mul.Tensor, (V("o"), V("scale")), None),
+    ("am", aten.add.Tensor, (V("sc"), V("mask")), None),
+    ("sk_r", aten.reshape.default, (V("sinks"), [1, -1, 1, 1]), None),
+    ("sk_e", aten.expand.default, (V("sk_r"), [V("B"), -1, V("S"), -1]), None),
+    ("comb", aten.cat.default, ([V("am"), V("sk_e")], -1), None),
+    ("mx", aten.max.dim, (V("comb"), -1, True), None),
+    ("mxv", operator.getitem, (V("mx"), 0), None),
+    ("cs", aten.sub.Tensor, (V("comb"), V("mxv")), None),
+    ("sm", aten.softmax.int, (V("cs"), -1, torch.float32), None),
+    ("drop_sink", aten.slice.Tensor, (V("sm"), 3, 0, -1), None),
+    ("dr", aten.dropout.default, (V("drop_sink"), 0.0, False), None),
     ("pv", aten.matmul.default, (V("dr"), V("v_rr")), None),
     ("o2", aten.transpose.int, (V("pv"), 1, 2), None),
     ("out", aten.reshape.default, (V("o2"), [V("B"), V("S"), -1]), None),
@@ -654,11 +719,12 @@ def _norope_attention_pattern(decode: bool, fused, softcap: bool, order: str) ->
     return steps + _renamed(_SOFTCAP_TAIL if softcap else _SDPA_TAIL, {"q_rot": "q_t", **kv})
 
 
-def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, softcap: bool, rope: bool = True, order: str = "qkv") -> list[tuple]:
+def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, softcap: bool, rope: bool = True, order: str = "qkv", sinks: bool = False, split_half: bool = False) -> list[tuple]:
     """The exact ATen sequence of one transformers attention core for the given variant.
 
     ``rope=False``: no rotary embedding and no ``repeat_kv`` (MHA; :func:`_norope_attention_pattern`),
     with ``fused`` False / True (slices) / ``"split"`` (aten.split) and the per-head views in ``order``.
+    ``sinks``: GPT-OSS eager attention with sinks; ``split_half``: GPT-OSS rope.
     """
     if not rope:
         if qknorm or partial:
@@ -670,6 +736,8 @@ def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, so
         steps += _PARTIAL_SPLIT
         steps += _rope("q", "q_r", "q_rr") + [("q_rot", aten.cat.default, ([V("q_rr"), V("q_p")], -1), None)]
         steps += _rope("k", "k_r", "k_rr0") + [("k_rot", aten.cat.default, ([V("k_rr0"), V("k_p")], -1), None)]
+    elif split_half:
+        steps += _rope_split_half("q") + _rope_split_half("k")
     else:
         steps += _rope("q") + _rope("k")
     if decode:
@@ -682,6 +750,8 @@ def attention_pattern(decode: bool, qknorm: bool, fused: bool, partial: bool, so
         steps += _repeat("k", "kc") + _repeat("v", "vc")
     else:
         steps += _repeat("k", "k_rot") + _repeat("v", "v_t")
+    if sinks:
+        return steps + _SINKS_TAIL
     return steps + (_SOFTCAP_TAIL if softcap else _SDPA_TAIL)
 
 
@@ -693,6 +763,7 @@ ATTENTION_PATTERNS += [
     attention_pattern(d, False, f, False, sc, rope=False, order=o)
     for d in (True, False) for f in (False, True, "split") for sc in (False, True) for o in ("kvq", "qkv")
 ]
+ATTENTION_PATTERNS += [attention_pattern(d, False, False, False, False, sinks=True, split_half=True) for d in (True, False)]
 # legacy names (Llama)
 ATTENTION_DECODE = attention_pattern(True, False, False, False, False)
 ATTENTION_PREFILL = attention_pattern(False, False, False, False, False)
@@ -741,6 +812,9 @@ def h_attention(ctx: Ctx) -> None:
     if "cos_u" not in b:  # attention_pattern(rope=False)
         _h_attention_norope(ctx, b)
         return
+    split_half = "q_ch" in b  # GPT-OSS rope: half tables, chunk form
+    if split_half:
+        b["half"] = _val(b["cos"]).shape[-1]  # the table width; must be hd / 2 (checked below)
     hd, half, hq, hkv, nrep, s = b["hd"], b["half"], b["Hq"], b["Hkv"], b["nrep"], b["S"]
     rd = b.get("rd")
     widths = {}
@@ -759,11 +833,14 @@ def h_attention(ctx: Ctx) -> None:
         ok = ok and b["q_end"] == hq * hd and b["k_end"] == (hq + hkv) * hd and _val(b["qkv"]).shape[-1] == (hq + 2 * hkv) * hd
     if "cap" in b:
         ok = ok and isinstance(b["cap"], float)
+    if "sinks" in b:
+        sv = _val(b["sinks"])
+        ok = ok and isinstance(sv, torch.Tensor) and tuple(sv.shape) == (hq,) and sv.dtype == torch.float32
     if not ok:
         raise Mismatch(ctx.nodes[0], f"inconsistent attention shapes (hd={hd}, half={half}, Hq={hq}, Hkv={hkv}, n_rep={nrep}, rotary_dim={rd})")
     mask = ctx.marker(b["mask"], "causal_mask").data
-    if mask[3] != ("cap" in b):
-        raise Mismatch(b["o"], "eager soft-capped attention needs the additive mask, SDPA the boolean one")
+    if mask[3] != ("cap" in b or "sinks" in b):
+        raise Mismatch(b["o"], "eager attention (soft-capped / with sinks) needs the additive mask, SDPA the boolean one")
     cos, sin = ctx.tensor(b["cos"]), ctx.tensor(b["sin"])
     if "qkv" in b:
         qkv = ctx.tensor(b["qkv"])
@@ -773,20 +850,22 @@ def h_attention(ctx: Ctx) -> None:
     else:
         qf, kf, v = ctx.tensor(b["q_lin"]), ctx.tensor(b["k_lin"]), ctx.tensor(b["v_lin"])
     rope_extra = (rd,) if rd is not None else ()
-    q = ctx.emit(nhil.rope.default, qf, cos, sin, hd, *rope_extra)
-    k = ctx.emit(nhil.rope.default, kf, cos, sin, hd, *rope_extra)
+    rope_kw = {"style": "split_half"} if split_half else {}
+    q = ctx.emit(nhil.rope.default, qf, cos, sin, hd, *rope_extra, **rope_kw)
+    k = ctx.emit(nhil.rope.default, kf, cos, sin, hd, *rope_extra, **rope_kw)
     cap = b.get("cap")
+    attn_kw = {"sinks": ctx.param(b["sinks"])} if "sinks" in b else {}
     if "kc" in b:
         cp = ctx.marker(b["cp0"], "cache_pos0").data
         if mask[:2] != ("cache", b["L"]) or s != 1:
             raise Mismatch(b["o"], f"decode attention needs a causal cache mask over L={b['L']} and one token, got {mask}, S={s}")
         kc, vc = ctx.param(b["kcache"]), ctx.param(b["vcache"])
         ctx.r.cache_names += [kc.target, vc.target]
-        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hkv, b["scale"], *_extra(mask[2], cap))
+        out = ctx.emit(nhil.attention_kv.default, q, k, v, kc, vc, cp, hq, hkv, b["scale"], *_extra(mask[2], cap), **attn_kw)
     else:
         if mask[:2] != ("prefill", s):
             raise Mismatch(b["o"], f"prefill attention needs a causal mask over S={s}, got {mask}")
-        out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"], *_extra(mask[2], cap))
+        out = ctx.emit(nhil.attention.default, q, k, v, hq, hkv, b["scale"], *_extra(mask[2], cap), **attn_kw)
     ctx.set(b["out"], out)
 
 
@@ -854,6 +933,14 @@ def _moe_router_pattern(softmax_dtype: bool, norm: bool) -> list[tuple]:
 
 
 MOE_ROUTER_PATTERNS = [_moe_router_pattern(d, n) for n in (True, False) for d in (False, True)]
+# GPT-OSS (modeling_gpt_oss.GptOssTopKRouter): biased linear on the block tokens -> topk -> softmax(top-k values)
+MOE_ROUTER_TOPK_SOFTMAX = [
+    ("logits", aten.linear.default, (V("tok"), V("rw"), V("rb")), None),
+    ("topk", aten.topk.default, (V("logits"), V("k")), None),
+    ("w", operator.getitem, (V("topk"), 0), None),
+    ("ids", operator.getitem, (V("topk"), 1), None),
+    ("wn", aten.softmax.int, (V("w"), 1, torch.float32), None),
+]
 MOE_EXPERTS_IN = [
     ("rep", aten.repeat_interleave.self_int, (V("tok"), V("k"), 0), None),
     ("wf", aten.reshape.default, (V("wts"), [-1]), None),
@@ -879,6 +966,39 @@ MOE_EXPERTS_OUT = [
 ]
 
 
+# GPT-OSS experts (batched_mm, is_transposed=True, has_bias=True, GptOssExperts._apply_gate): one region
+MOE_EXPERTS_GPT_OSS = [
+    ("rep", aten.repeat_interleave.self_int, (V("tok"), V("k"), 0), None),
+    ("wf", aten.reshape.default, (V("wts"), [-1]), None),
+    ("idf", aten.reshape.default, (V("ids"), [-1]), None),
+    ("gsel", aten.index.Tensor, (V("gu"), [V("idf")]), None),
+    ("gbsel", aten.index.Tensor, (V("gub"), [V("idf")]), None),
+    ("xu", aten.unsqueeze.default, (V("rep"), 1), None),
+    ("gbmm", aten.bmm.default, (V("xu"), V("gsel")), None),
+    ("gsq", aten.squeeze.dim, (V("gbmm"), 1), None),
+    ("gadd", aten.add_.Tensor, (V("gsq"), V("gbsel")), None),
+    ("gate", aten.slice.Tensor, (V("gadd"), 1, 0, INT64_MAX, 2), None),
+    ("up", aten.slice.Tensor, (V("gadd"), 1, 1, INT64_MAX, 2), None),
+    ("gc", aten.clamp.default, (V("gate"), None, V("limit")), None),
+    ("uc", aten.clamp.default, (V("up"), V("neg_limit"), V("limit")), None),
+    ("ga", aten.mul.Tensor, (V("gc"), V("alpha")), None),
+    ("sg", aten.sigmoid.default, (V("ga"),), None),
+    ("glu", aten.mul.Tensor, (V("gc"), V("sg")), None),
+    ("u1", aten.add.Tensor, (V("uc"), 1), None),
+    ("m", aten.mul.Tensor, (V("u1"), V("glu")), None),
+    ("dsel", aten.index.Tensor, (V("dn"), [V("idf")]), None),
+    ("dbsel", aten.index.Tensor, (V("dnb"), [V("idf")]), None),
+    ("mu", aten.unsqueeze.default, (V("m"), 1), None),
+    ("dbmm", aten.bmm.default, (V("mu"), V("dsel")), None),
+    ("dsq", aten.squeeze.dim, (V("dbmm"), 1), None),
+    ("dadd", aten.add_.Tensor, (V("dsq"), V("dbsel")), None),
+    ("wu", aten.unsqueeze.default, (V("wf"), -1), None),
+    ("wy", aten.mul.Tensor, (V("dadd"), V("wu")), None),
+    ("v", aten.view.default, (V("wy"), [V("T"), V("k"), V("H")]), None),
+    ("out", aten.sum.dim_IntList, (V("v"), [1]), None),
+]
+
+
 def _moe_marker(ctx: Ctx, old: fx.Node, kind: str, state: dict | None = None) -> dict:
     m = ctx.marker(old, kind)
     if state is not None and m.data is not state:
@@ -886,43 +1006,114 @@ def _moe_marker(ctx: Ctx, old: fx.Node, kind: str, state: dict | None = None) ->
     return m.data
 
 
+MOE_TAIL = [("out", aten.reshape.default, (V("y"), V("shape")), None)]
+# Qwen2-MoE: ``expert_output + sigmoid(shared_expert_gate(x)) * shared_expert(x)``, then reshape
+MOE_TAIL_SHARED_GATED = [
+    ("sig", aten.sigmoid.default, (V("gl"),), None),
+    ("sm", aten.mul.Tensor, (V("sig"), V("sh")), None),
+    ("sum", aten.add.Tensor, (V("y"), V("sm")), None),
+    ("out", aten.reshape.default, (V("sum"), V("shape")), None),
+]
+
+
+def _moe_shared_linear(ctx: Ctx, b: dict, xv: Marker) -> None:
+    """A Linear inside a MoE block: on the block tokens -> Marker('moe_lin') (shared expert
+    gate_proj / up_proj, or the shared_expert_gate); on the shared expert's gated product
+    -> Marker('moe_shared') (its down_proj). Bias-free only (Qwen2-MoE)."""
+    if "bias" in b:
+        raise Mismatch(ctx.nodes[0], "MoE shared expert: biased projections are not supported")
+    w = _val(b["w"])
+    if xv.kind == "moe_tokens":
+        if w.dim() != 2 or w.shape[1] != xv.data["shape"][-1]:
+            raise Mismatch(ctx.nodes[0], f"MoE shared-expert projection weight {tuple(w.shape)} does not take H={xv.data['shape'][-1]}")
+        ctx.set(b["out"], Marker("moe_lin", {"tok": xv.data, "w": ctx.param(b["w"]), "shape": tuple(w.shape)}))
+        return
+    h = xv.data["tok"]["shape"][-1]
+    if tuple(w.shape) != (h, xv.data["shape"][0]):
+        raise Mismatch(ctx.nodes[0], f"MoE shared expert down_proj {tuple(w.shape)} is not [H={h}, I={xv.data['shape'][0]}]")
+    ctx.set(b["out"], Marker("moe_shared", dict(xv.data, down=ctx.param(b["w"]))))
+
+
 def h_moe_block(ctx: Ctx) -> None:
-    """SparseMoeBlock glue: ``hidden.view(-1, H)`` -> Marker('moe_tokens'); the final
-    ``reshape(out, [B, S, H])`` of the routed-experts result -> the nhil.moe node."""
-    if len(ctx.nodes) != 1:
-        raise Mismatch(ctx.nodes[0], "MoE block: only routed experts (no shared expert) are supported")
+    """SparseMoeBlock glue: ``hidden.view(-1, H)`` -> Marker('moe_tokens'); the block tail
+    -> the nhil.moe node: ``reshape(routed, [B, S, H])`` (Mixtral, Qwen3-MoE) or
+    ``reshape(routed + sigmoid(gate(x)) * shared(x), [B, S, H])`` (Qwen2-MoE's
+    sigmoid-gated shared expert, :data:`MOE_TAIL_SHARED_GATED`)."""
     n = ctx.nodes[0]
-    if n.target == aten.view.default:
-        b = ctx.match([[("out", aten.view.default, (V("x"), [-1, V("H")]), None)]])
+    head = len(ctx.nodes) == 1 and (n.target == aten.view.default or (n.target == aten.reshape.default and n.args[1] == [-1, _val(n.args[0]).shape[-1]] and _val(n.args[0]).dim() == 3))
+    if head:  # view (SparseMoeBlock) or reshape (GptOssMLP)
+        b = ctx.match([[("out", aten.view.default, (V("x"), [-1, V("H")]), None)], [("out", aten.reshape.default, (V("x"), [-1, V("H")]), None)]])
         xv = _val(b["x"])
         if xv.dim() != 3 or b["H"] != xv.shape[-1] or xv.dtype != torch.float32:
             raise Mismatch(n, "MoE block input must be an fp32 [B, S, H] tensor viewed as [-1, H]")
         ctx.set(b["out"], Marker("moe_tokens", {"x": ctx.tensor(b["x"]), "shape": tuple(xv.shape)}))
         return
-    b = ctx.match([[("out", aten.reshape.default, (V("y"), V("shape")), None)]])
-    out = ctx.marker(b["y"], "moe_out").data
-    if list(b["shape"]) != list(out["shape"]):
-        raise Mismatch(n, f"MoE block output reshape {b['shape']} is not the input shape {out['shape']}")
-    ctx.set(b["out"], out["node"])
+    i, b = match_any([MOE_TAIL, MOE_TAIL_SHARED_GATED], ctx.nodes, ctx.r.canon)
+    st = ctx.marker(b["y"], "moe_out").data
+    if list(b["shape"]) != list(st["shape"]):
+        raise Mismatch(ctx.nodes[-1], f"MoE block output reshape {b['shape']} is not the input shape {st['shape']}")
+    shared: dict = {}
+    if i == 1:
+        sh = ctx.marker(b["sh"], "moe_shared").data
+        gl = ctx.marker(b["gl"], "moe_lin").data
+        h = st["tok"]["shape"][-1]
+        if sh["tok"] is not st["tok"] or gl["tok"] is not st["tok"] or gl["shape"] != (1, h):
+            raise Mismatch(n, f"MoE shared expert / its gate {gl['shape']} do not belong to this block (H={h})")
+        shared = {"shared_gate_proj": sh["gate"], "shared_up_proj": sh["up"], "shared_down_proj": sh["down"], "shared_expert_gate": gl["w"]}
+    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], st["dn"], st["E"], st["k"], st["score"], st["norm"], st.get("act", "silu"), **shared, **st["kw"])
+    ctx.set(b["out"], node)
 
 
 def h_moe_router(ctx: Ctx) -> None:
     """TopKRouter ``linear -> softmax(fp32) -> topk -> [w /= w.sum()]`` -> Markers for the
     routing weights and expert ids (consumed by the experts pattern)."""
-    i, b = match_any(MOE_ROUTER_PATTERNS, ctx.nodes, ctx.r.canon)
+    i, b = match_any(MOE_ROUTER_PATTERNS + [MOE_ROUTER_TOPK_SOFTMAX], ctx.nodes, ctx.r.canon)
     tok = ctx.marker(b["tok"], "moe_tokens").data
     rw = _val(b["rw"])
+    topk_softmax = i == len(MOE_ROUTER_PATTERNS)
+    if topk_softmax:
+        b["H"] = tok["shape"][-1]
     if not (isinstance(b["k"], int) and isinstance(b["H"], int) and b["H"] == tok["shape"][-1] and rw.dim() == 2 and rw.shape[1] == b["H"] and 0 < b["k"] <= rw.shape[0]):
         raise Mismatch(ctx.nodes[0], f"inconsistent MoE router shapes (router weight {tuple(rw.shape)}, k={b['k']}, H={b['H']})")
-    st = {"tok": tok, "rw": ctx.param(b["rw"]), "E": int(rw.shape[0]), "k": int(b["k"]), "norm": "wn" in b, "score": "softmax"}
+    st = {"tok": tok, "rw": ctx.param(b["rw"]), "E": int(rw.shape[0]), "k": int(b["k"]), "norm": "wn" in b and not topk_softmax, "score": "softmax", "kw": {}}
+    if topk_softmax:
+        if tuple(_val(b["rb"]).shape) != (rw.shape[0],):
+            raise Mismatch(ctx.nodes[0], f"MoE router bias {tuple(_val(b['rb']).shape)} is not [E={rw.shape[0]}]")
+        st["kw"] = {"router_bias": ctx.param(b["rb"]), "softmax_after_topk": True}
+        st["norm"] = True  # the schema default: norm_topk_prob does not apply after a top-k softmax
     ctx.set(b["wn"] if "wn" in b else b["w"], Marker("moe_weights", st))
     ctx.set(b["ids"], Marker("moe_ids", st))
+
+
+def _moe_experts_gpt_oss(ctx: Ctx) -> None:
+    """GPT-OSS experts in one region (:data:`MOE_EXPERTS_GPT_OSS`) -> Marker('moe_out') with the
+    transposed interleaved biased weights and the clamped-SwiGLU constants."""
+    b = ctx.match([MOE_EXPERTS_GPT_OSS])
+    st = _moe_marker(ctx, b["wts"], "moe_weights")
+    _moe_marker(ctx, b["ids"], "moe_ids", st)
+    if ctx.marker(b["tok"], "moe_tokens").data is not st["tok"] or b["k"] != st["k"] or not st["kw"].get("softmax_after_topk"):
+        raise Mismatch(ctx.nodes[0], "GPT-OSS experts do not consume a top-k-softmax router's tokens / top-k")
+    e, shape = st["E"], st["tok"]["shape"]
+    h = shape[-1]
+    gu, gub, dn, dnb = (_val(b[n]) for n in ("gu", "gub", "dn", "dnb"))
+    i2 = gu.shape[-1] if gu.dim() == 3 else -1
+    ok = (tuple(gu.shape) == (e, h, i2) and i2 % 2 == 0 and tuple(gub.shape) == (e, i2) and tuple(dn.shape) == (e, i2 // 2, h)
+          and tuple(dnb.shape) == (e, h) and b["H"] == h and b["T"] == shape[0] * shape[1])
+    lim, alpha = b["limit"], b["alpha"]
+    if not ok or not (isinstance(lim, float) and isinstance(alpha, float) and b["neg_limit"] == -lim and lim > 0):
+        raise Mismatch(ctx.nodes[0], f"GPT-OSS experts: gate_up {tuple(gu.shape)}, down {tuple(dn.shape)}, limit {lim}, alpha {alpha} do not fit the block (H={h}, E={e})")
+    kw = dict(st["kw"], gate_up_bias=ctx.param(b["gub"]), down_bias=ctx.param(b["dnb"]), experts_layout="transposed_interleaved",
+              swiglu_alpha=alpha, swiglu_limit=lim)
+    ctx.set(b["out"], Marker("moe_out", dict(st, gu=ctx.param(b["gu"]), dn=ctx.param(b["dn"]), shape=shape, kw=kw, act="swiglu_clamp")))
 
 
 def h_moe_experts(ctx: Ctx) -> None:
     """batched_mm experts: the gather + bmm of gate_up (-> Markers for gate / up), then
     ``silu(gate) * up`` -> bmm of down -> × routing weight -> sum over the k slots ->
     one nhil.moe carrying the routing rule and the 3-D expert weights."""
+    if len(ctx.nodes) == len(MOE_EXPERTS_GPT_OSS):
+        _moe_experts_gpt_oss(ctx)
+        return
     if ctx.nodes[0].target == aten.repeat_interleave.self_int:
         b = ctx.match([MOE_EXPERTS_IN])
         st = _moe_marker(ctx, b["wts"], "moe_weights")
@@ -947,8 +1138,7 @@ def h_moe_experts(ctx: Ctx) -> None:
     t = shape[0] * shape[1]
     if dn.dim() != 3 or tuple(dn.shape) != (st["E"], shape[-1], gu_shape[1] // 2) or b["k"] != st["k"] or b["H"] != shape[-1] or b["T"] != t:
         raise Mismatch(ctx.nodes[0], f"down_proj {tuple(dn.shape)} / combine view [{b['T']}, {b['k']}, {b['H']}] do not fit the MoE block")
-    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], ctx.param(b["dn"]), st["E"], st["k"], st["score"], st["norm"], "silu")
-    ctx.set(b["out"], Marker("moe_out", {"node": node, "shape": shape}))
+    ctx.set(b["out"], Marker("moe_out", dict(st, dn=ctx.param(b["dn"]), shape=shape)))
 
 
 HANDLERS: dict[str, Callable[[Ctx], None]] = {
@@ -975,6 +1165,7 @@ HANDLERS: dict[str, Callable[[Ctx], None]] = {
     "MixtralSparseMoeBlock": h_moe_block,
     "MixtralTopKRouter": h_moe_router,
     "MixtralExperts": h_moe_experts,
+    "GptOssMLP": h_moe_block,  # a MoE block under the MLP role name
 }
 
 # Module classes of other families whose code is the Llama code under another name are

@@ -55,17 +55,17 @@ def rms_norm(inputs, outputs, ctx, eps, head_dim=None, unit_offset=False):
 
 
 @kernel("rope_cos_sin")
-def rope_cos_sin(inputs, outputs, ctx, attention_scaling):
+def rope_cos_sin(inputs, outputs, ctx, attention_scaling, half=False):
     pos, inv_freq = inputs
-    cos, sin = _ops().rope_cos_sin(torch.tensor([[pos]]), _t(inv_freq), attention_scaling)
+    cos, sin = _ops().rope_cos_sin(torch.tensor([[pos]]), _t(inv_freq), attention_scaling, half=half)
     outputs[0][:] = cos.reshape(-1).numpy()
     outputs[1][:] = sin.reshape(-1).numpy()
 
 
 @kernel("rope")
-def rope(inputs, outputs, ctx, head_dim, rotary_dim=None):
+def rope(inputs, outputs, ctx, head_dim, rotary_dim=None, style="rotate_half"):
     x, cos, sin = inputs
-    y = _ops().rope(_t(x).reshape(1, 1, -1), _t(cos).reshape(1, 1, -1), _t(sin).reshape(1, 1, -1), head_dim, rotary_dim)
+    y = _ops().rope(_t(x).reshape(1, 1, -1), _t(cos).reshape(1, 1, -1), _t(sin).reshape(1, 1, -1), head_dim, rotary_dim, style=style)
     outputs[0][:] = y.reshape(-1).numpy()
 
 
@@ -82,21 +82,29 @@ def add(inputs, outputs, ctx):
 
 
 @kernel("masked_softmax")
-def masked_softmax(inputs, outputs, ctx, num_heads, max_len, scale, window=None, softcap=None):
+def masked_softmax(inputs, outputs, ctx, num_heads, max_len, scale, window=None, softcap=None, sinks=False):
     """Host half of decode attention: ``softmax(cap(scale * scores))`` over the visible keys.
 
     Visible: ``j <= pos`` and, with a sliding ``window`` W, ``j > pos - W``
     (``nhil::attention_kv``'s mask, ``primitives.visible_mask``); ``softcap`` c applies
     ``c * tanh(s / c)`` to the scaled logits first (Gemma 2). Masked keys get exactly 0.
+    ``sinks`` (GPT-OSS): ``inputs[2]`` holds one sink logit per head, appended as an extra
+    column; ``softmax(s - max)`` over keys + sink, sink column dropped
+    (``primitives._attend_sinks``), so the probabilities of a row sum to less than 1.
     """
     from nhil.compiler.primitives import visible_mask
 
-    scores, pos = inputs
+    scores, pos = inputs[:2]
     s = _t(scores).reshape(num_heads, max_len) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     visible = visible_mask(torch.tensor([pos]), max_len, window)[0]
     s = s.masked_fill(~visible, float("-inf"))
+    if sinks:
+        comb = torch.cat([s, _t(inputs[2]).reshape(num_heads, 1)], dim=-1)
+        comb = comb - comb.max(dim=-1, keepdim=True).values
+        outputs[0][:] = torch.softmax(comb, dim=-1)[:, :-1].reshape(-1).numpy()
+        return
     outputs[0][:] = torch.softmax(s, dim=-1).reshape(-1).numpy()
 
 
@@ -119,13 +127,14 @@ def softcap(inputs, outputs, ctx, cap):
 
 
 @kernel("moe_route")
-def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="softmax"):
+def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="softmax", softmax_after_topk=False):
     """MoE routing on the host: router logits [E] -> ``route`` = [expert ids (fp32) ..., weights ...]
-    (``2*top_k``, slot order), by ``primitives.moe_routing`` (the reference kernel's routing)."""
+    (``2*top_k``, slot order), by ``primitives.moe_routing`` (the reference kernel's routing;
+    ``softmax_after_topk``: GPT-OSS top-k then softmax, logits incl. the router bias)."""
     from nhil.compiler.primitives import moe_routing
 
     (logits,) = inputs
-    w, ids = moe_routing(_t(logits).reshape(1, -1), top_k, score_func, norm_topk_prob)
+    w, ids = moe_routing(_t(logits).reshape(1, -1), top_k, score_func, norm_topk_prob, softmax_after_topk)
     outputs[0][:top_k] = ids.reshape(-1).numpy().astype(np.float32)
     outputs[0][top_k:] = w.reshape(-1).numpy()
 
@@ -172,3 +181,25 @@ def pos_embedding(inputs, outputs, ctx):
     if not 0 <= pos < table.shape[0]:
         raise RunError(f"position {pos} is beyond the {table.shape[0]} learned position embeddings (n_positions) of the model")
     outputs[0][:] = _ops().pos_embedding(_t(x).reshape(1, 1, -1), _t(table), torch.tensor([[pos]])).reshape(-1).numpy()
+
+
+@kernel("moe_shared_add")
+def moe_shared_add(inputs, outputs, ctx, gated=True):
+    """Shared expert of a MoE layer added to the routed combine: inputs = [routed [H],
+    shared [H], (gate logit [1])]; ``out = routed + sigmoid(gate) * shared`` (without
+    ``gated``: ``routed + shared``), the same torch ops as ``primitives.moe_ref``."""
+    routed, shared = _t(inputs[0]), _t(inputs[1])
+    if gated:
+        shared = torch.sigmoid(_t(inputs[2])) * shared
+    outputs[0][:] = (routed + shared).numpy()
+
+
+@kernel("moe_swiglu_clamp")
+def moe_swiglu_clamp(inputs, outputs, ctx, alpha, limit):
+    """GPT-OSS expert activation on the host: inputs = [gate GEMV [I], up GEMV [I], gate bias [I],
+    up bias [I]]; ``swiglu_clamp(gate + gate_bias, up + up_bias)`` (``primitives.swiglu_clamp``,
+    the bias being the even / odd entries of ``gate_up_proj_bias[e]``)."""
+    from nhil.compiler.primitives import swiglu_clamp
+
+    g, u, gb, ub = (_t(a) for a in inputs)
+    outputs[0][:] = swiglu_clamp(g + gb, u + ub, alpha, limit).numpy()
