@@ -157,6 +157,10 @@ def h_embedding(ctx: Ctx) -> None:
 
 def h_linear(ctx: Ctx) -> None:
     b = ctx.match([_one(aten.linear.default, (V("x"), V("w"))), _one(aten.linear.default, (V("x"), V("w"), V("bias")))])
+    from nhil.compiler.raise_deepseek import h_mla_kv_b
+
+    if h_mla_kv_b(ctx, b):  # MLA kv_b_proj over the latent cache (part of nhil.mla_kv)
+        return
     bias = ctx.param(b["bias"]) if "bias" in b else None
     ctx.set(b["out"], ctx.emit(nhil.linear.default, ctx.tensor(b["x"]), ctx.param(b["w"]), bias))
 
@@ -736,7 +740,8 @@ def h_moe_experts(ctx: Ctx) -> None:
     t = shape[0] * shape[1]
     if dn.dim() != 3 or tuple(dn.shape) != (st["E"], shape[-1], gu_shape[1] // 2) or b["k"] != st["k"] or b["H"] != shape[-1] or b["T"] != t:
         raise Mismatch(ctx.nodes[0], f"down_proj {tuple(dn.shape)} / combine view [{b['T']}, {b['k']}, {b['H']}] do not fit the MoE block")
-    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], ctx.param(b["dn"]), st["E"], st["k"], st["score"], st["norm"], "silu")
+    extra = st.get("extra", ("silu",))  # act, then the DeepSeek routing attributes (raise_deepseek.h_ds_router)
+    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], ctx.param(b["dn"]), st["E"], st["k"], st["score"], st["norm"], *extra)
     ctx.set(b["out"], Marker("moe_out", {"node": node, "shape": shape}))
 
 
@@ -780,8 +785,22 @@ ROLE_SUFFIXES: list[tuple[str, str]] = [
 ]
 
 
+_FAMILIES_LOADED = False
+
+
+def _load_families() -> None:
+    """Register the handlers of families kept in their own modules (exact class names)."""
+    global _FAMILIES_LOADED
+    from nhil.compiler.raise_deepseek import DEEPSEEK_HANDLERS
+
+    HANDLERS.update(DEEPSEEK_HANDLERS)
+    _FAMILIES_LOADED = True
+
+
 def handler_for(cls: str, path: str = "") -> Callable[[Ctx], None] | None:
     """Handler of a module class: exact class name first, then by role suffix."""
+    if not _FAMILIES_LOADED:
+        _load_families()
     if cls in HANDLERS:
         return HANDLERS[cls]
     for suffix, base in ROLE_SUFFIXES:
