@@ -3,7 +3,8 @@
 Per MoE layer (one token per step, ``x`` the [H] host buffer of the block input):
 
 1. **Router** GEMV ``logits = router_weight @ x`` on PIM (``[E, H]`` matrix).
-2. ``HOST moe_route``: softmax -> top-k -> renormalise on the host with
+2. ``HOST moe_route``: softmax -> top-k -> renormalise (or DeepSeek-V3's sigmoid +
+   bias-corrected grouped top-k, the bias a host image) on the host with
    :func:`nhil.compiler.primitives.moe_routing` (the reference kernel's own routing), writing
    ``route`` = ``[ids (as fp32) ..., weights ...]`` (``2*top_k`` values, slot order).
 3. One **expert sub-program** per expert ``e``, each opened by a marker ``HOST moe_expert``
@@ -35,8 +36,10 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         b: the program builder.
         x_buf: host buffer of the block input [H].
         out: host buffer for the block output [H] (declared here).
-        weights: ``{"router": (name, [E,H]), "gate_up": (name, [E,2I,H]), "down": (name, [E,H,I])}``.
-        attrs: ``num_experts``, ``top_k``, ``score_func``, ``norm_topk_prob``.
+        weights: ``{"router": (name, [E,H]), "gate_up": (name, [E,2I,H]), "down": (name, [E,H,I])}``,
+            plus ``"score_bias": (name, [E])`` for the DeepSeek-V3 sigmoid rule.
+        attrs: ``num_experts``, ``top_k``, ``score_func``, ``norm_topk_prob`` (and with
+            ``score_bias``: ``n_group``, ``topk_group``, ``routed_scaling_factor``).
         layer: MoE layer ordinal (names buffers, recorded in host-op attrs).
     Returns:
         metadata for ``program.info["moe"]``.
@@ -55,7 +58,11 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
     b.buffer(f"{pre}.logits", e_count)
     b.gemv(pr, x_buf, f"{pre}.logits")
     b.buffer(f"{pre}.route", 2 * k)
-    b.host("moe_route", [f"{pre}.logits"], [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]))
+    route_in, route_attrs = [f"{pre}.logits"], {}
+    if "score_bias" in weights:  # DeepSeek-V3 sigmoid rule: bias-corrected grouped top-k, routed scaling factor
+        route_in.append(b.host_image(*weights["score_bias"]))
+        route_attrs = {a: attrs[a] for a in ("n_group", "topk_group", "routed_scaling_factor")}
+    b.host("moe_route", route_in, [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]), **route_attrs)
     markers, ys, macs = [], [], []
     for e in range(e_count):
         if b._wfmt != 0:
@@ -80,4 +87,4 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
     b.host("moe_dispatch", [f"{pre}.route", *ys], [out], layer=layer, experts=markers, top_k=k, num_experts=e_count)
     return {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
             "norm_topk_prob": bool(attrs["norm_topk_prob"]), "expert_markers": markers, "dispatch": len(b.host_ops) - 1,
-            "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows)}
+            "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows), **route_attrs}

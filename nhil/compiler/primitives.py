@@ -431,8 +431,11 @@ def _mla_check(q, kv_latent, k_rope, kv_b_weight, num_heads, kv_lora_rank, nope,
                          f"kv_b {tuple(kv_b_weight.shape)} for {num_heads} heads, kv_lora_rank {kv_lora_rank}, nope/rope/v {nope}/{rope}/{v}")
 
 
-def _mla_q_rope(q, k_rope, cos, sin, num_heads, nope, rope, interleave):
-    """q [B,S,H*(nope+rope)] -> (q_pass [B,H,S,nope], q_rot [B,H,S,rope] RoPE'd), k_rope [B,S,rope] -> [B,1,S,rope] RoPE'd."""
+def mla_rope_parts(q, k_rope, cos, sin, num_heads, nope, rope, interleave):
+    """MLA head split + RoPE: q [B,S,H*(nope+rope)], k_rope [B,S,rope], cos/sin [B,S,rope] ->
+    (q_pass [B,H,S,nope], q_rot [B,H,S,rope] RoPE'd, k_rot [B,1,S,rope] RoPE'd).
+    ``interleave``: :func:`rope_interleave`, else rotate-half (modeling_deepseek_v3.apply_rotary_pos_emb).
+    Shared by :func:`mla_kv_ref` and the ``mla_rope`` host kernel."""
     b, s, _ = q.shape
     qh = q.view(b, s, -1, nope + rope).transpose(1, 2)
     q_pass, q_rot = torch.split(qh, [nope, rope], dim=-1)
@@ -486,7 +489,7 @@ def mla_kv_ref(q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, c
     nope, rope, v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     _mla_check(q, kv_latent, k_rope, kv_b_weight, num_heads, kv_lora_rank, nope, rope, v)
     b, s, _ = q.shape
-    q_pass, q_rot, k_rot = _mla_q_rope(q, k_rope, cos, sin, num_heads, nope, rope, rope_interleave)
+    q_pass, q_rot, k_rot = mla_rope_parts(q, k_rope, cos, sin, num_heads, nope, rope, rope_interleave)
     latent_cache.index_copy_(2, cache_position, kv_latent.view(b, 1, s, kv_lora_rank))
     rope_cache.index_copy_(2, cache_position, k_rot)
     vis = visible_mask(cache_position, latent_cache.shape[2], None)
