@@ -50,6 +50,11 @@ _SCHEMAS = {
         "int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim, float scale, bool rope_interleave=True, "
         "int? q_lora_rank=None) -> Tensor"
     ),
+    "mla": (
+        "mla(Tensor q, Tensor kv_latent, Tensor k_rope, Tensor cos, Tensor sin, Tensor kv_b_weight, int num_heads, "
+        "int kv_lora_rank, int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim, float scale, "
+        "bool rope_interleave=True, int? q_lora_rank=None) -> Tensor"
+    ),
 }
 for _schema in _SCHEMAS.values():
     LIB.define(_schema)
@@ -496,6 +501,24 @@ def mla_kv_ref(q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, c
     return _mla_core(q_pass, q_rot, latent_cache, rope_cache, kv_b_weight, vis, num_heads, nope, v, scale)
 
 
+@_impl("mla")
+def mla_ref(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+            v_head_dim: int, scale: float, rope_interleave: bool = True, q_lora_rank=None):
+    """Causal MLA without cache (prefill from position 0): :func:`mla_kv_ref` with the prompt's
+    own latents and RoPE'd shared keys as keys/values (shapes, sources and ``scale`` ditto;
+    -> [B,S,H*v]).
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    nope, rope, v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    _mla_check(q, kv_latent, k_rope, kv_b_weight, num_heads, kv_lora_rank, nope, rope, v)
+    b, s, _ = q.shape
+    q_pass, q_rot, k_rot = mla_rope_parts(q, k_rope, cos, sin, num_heads, nope, rope, rope_interleave)
+    vis = visible_mask(torch.arange(s, device=q.device), s, None)
+    return _mla_core(q_pass, q_rot, kv_latent.view(b, 1, s, kv_lora_rank), k_rot, kv_b_weight, vis, num_heads, nope, v, scale)
+
+
 # ---------------------------------------------------------------- fake kernels
 
 
@@ -570,4 +593,10 @@ def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, sco
 @_fake("mla_kv")
 def _mla_kv_fake(q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, cos, sin, kv_b_weight, num_heads, kv_lora_rank,
                  qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale, rope_interleave=True, q_lora_rank=None):
+    return q.new_empty((*q.shape[:-1], num_heads * v_head_dim))
+
+
+@_fake("mla")
+def _mla_fake(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale,
+              rope_interleave=True, q_lora_rank=None):
     return q.new_empty((*q.shape[:-1], num_heads * v_head_dim))

@@ -19,10 +19,10 @@ MLA spans five regions in the decode export, visited in this order:
 5. attention piece: split of the expanded K/V, key assembly (``new_empty`` + two
    ``copy_``), SDPA with the causal cache mask, output re-layout -> one ``nhil.mla_kv``.
 
-Each piece checks that its inputs come from the same attention's earlier pieces. The
-prefill graph is not raised: there the ``kv_a_layernorm`` region consumes the split that
-lives in the same attention piece as the RoPE (one region), so regions are not visited in
-dependency order and the block is reported unraised.
+Each piece checks that its inputs come from the same attention's earlier pieces. In the
+prefill export (no cache) the pieces are: split + RoPE + query in one region (visited
+before ``kv_a_layernorm`` thanks to ``Raiser._dependency_order``), the latent view alone,
+``kv_b_proj`` over the prompt's latents, and the same core -> one ``nhil.mla``.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _interleave(p: str, src: str) -> list[tuple]:
     ]
 
 
-MLA_ROPE_CACHE = [
-    ("lat_view", aten.view.default, (V("lat"), [V("B"), 1, V("S"), V("r")]), None),
+LAT_VIEW = [("lat_view", aten.view.default, (V("lat"), [V("B"), 1, V("S"), V("r")]), None)]
+MLA_ROPE = [
     ("k_view", aten.view.default, (V("k_pe"), [V("B"), 1, V("S"), V("rope")]), None),
     ("cos_h", aten.slice.Tensor, (V("cos"), 2, 0, V("half")), None),
     ("cos_u", aten.unsqueeze.default, (V("cos_h"), 1), None),
@@ -76,12 +76,16 @@ MLA_ROPE_CACHE = [
     ("k2", aten.slice.Tensor, (V("k_view"), 3, 1, INT64_MAX, 2), None),
     *_interleave("q", "q_rot"),
     *_interleave("k", "k_view"),
+]
+QUERY = [("query", aten.cat.default, ([V("q_pass"), V("q_emb")], -1), None)]
+MLA_ROPE_CACHE = LAT_VIEW + MLA_ROPE + [
     ("pos_ar", aten.arange.default, (V("S"),), ANY),
     ("pos", aten.add.Tensor, (V("pos_ar"), V("cp0")), None),
     ("lc", aten.index_copy_.default, (V("lcache"), 2, V("pos"), V("lat_view")), None),
     ("rc", aten.index_copy_.default, (V("rcache"), 2, V("pos"), V("k_emb")), None),
-    ("query", aten.cat.default, ([V("q_pass"), V("q_emb")], -1), None),
-]
+] + QUERY
+# prefill (no cache): the head/latent split, RoPE and query in one region; the latent view alone
+MLA_PREFILL_FRONT = MLA_SPLIT + MLA_ROPE + QUERY
 
 MLA_CORE = [
     ("kv_view", aten.view.default, (V("kv"), [V("B"), V("L"), -1, V("nv")]), None),
@@ -118,71 +122,112 @@ def _q_lora_rank(q_old) -> int | None:
     return None
 
 
+def _split_state(ctx: Ctx, b: dict) -> dict:
+    """The q head split and the kv_a split (first piece): checks, ``nhil.narrow`` of the latent
+    (its output feeds the kv_a_layernorm region) and of the shared RoPE key; the state dict."""
+    qv, ckv = _val(b["q"]), _val(b["ckv"])
+    nope, rope, r = b["nope"], b["rope"], b["r"]
+    if qv.dim() != 3 or b["qk"] != nope + rope or qv.shape[-1] % b["qk"] or ckv.dim() != 3 or ckv.shape[-1] != r + rope:
+        raise Mismatch(ctx.nodes[0], f"inconsistent MLA projections (q {tuple(qv.shape)}, kv_a {tuple(ckv.shape)}, nope/rope/r {nope}/{rope}/{r})")
+    ckv_t = ctx.tensor(b["ckv"])
+    st = {"q": ctx.tensor(b["q"]), "H": qv.shape[-1] // b["qk"], "nope": nope, "rope": rope, "r": r, "q_lora_rank": _q_lora_rank(ctx.r.canon(b["q"]))}
+    st["k_pe"] = ctx.emit(nhil.narrow.default, ckv_t, r, rope)
+    nar = ctx.emit(nhil.narrow.default, ckv_t, 0, r)
+    ctx.r.__dict__.setdefault("mla_pending", {})[nar] = st
+    ctx.set(b["kv_nope"], nar)
+    return st
+
+
+def _check_rope(ctx: Ctx, b: dict, st: dict) -> None:
+    cos, sin = _val(b["cos"]), _val(b["sin"])
+    if b["rope"] != st["rope"] or 2 * b["half"] != st["rope"] or cos.shape[-1] != st["rope"] or sin.shape[-1] != st["rope"]:
+        raise Mismatch(ctx.nodes[0], f"MLA RoPE shapes do not fit (rope={b['rope']}, half={b['half']}, cos {tuple(cos.shape)})")
+    st.update(cos=ctx.tensor(b["cos"]), sin=ctx.tensor(b["sin"]))
+
+
+def _latent(ctx: Ctx, b: dict, st: dict | None) -> dict:
+    """The normalised latent ``view(lat, [B, 1, S, r])``: lat must be kv_a_layernorm of the
+    latent narrow of this attention's first piece."""
+    lat = ctx.tensor(b["lat"])
+    latv = _val(b["lat"])
+    src = lat.args[0] if lat.op == "call_function" and lat.target == nhil.rms_norm.default else None
+    found = ctx.r.__dict__.get("mla_pending", {}).get(src)
+    if found is None or (st is not None and found is not st):
+        raise Mismatch(ctx.nodes[0], "MLA latent view does not read the kv_a_layernorm of this attention's latent")
+    if latv.dim() != 3 or latv.shape[-1] != found["r"] or b["r"] != found["r"]:
+        raise Mismatch(ctx.nodes[0], f"MLA latent {tuple(latv.shape)} is not [B, S, kv_lora_rank={found['r']}]")
+    found["lat"] = lat
+    return found
+
+
 def h_mla(ctx: Ctx) -> None:
-    """DeepseekV3Attention pieces (see the module docstring) -> Markers, ``nhil.narrow``, one ``nhil.mla_kv``."""
+    """DeepseekV3Attention pieces (see the module docstring) -> Markers, ``nhil.narrow``, one
+    ``nhil.mla_kv`` (decode) or ``nhil.mla`` (prefill)."""
     first = ctx.nodes[0]
     if first.target == aten.add_.Tensor:
         h_attention(ctx)  # the StaticCache's cumulative_length.add_(1), checked as for Llama
         return
-    if ctx.r.kind != "decode":
-        raise Mismatch(first, "MLA is raised for the decode step only (prefill regions are not visited in dependency order)")
-    i, b = match_any([MLA_SPLIT, MLA_ROPE_CACHE, MLA_CORE], ctx.nodes, ctx.r.canon)
-    if i == 0:
-        qv, ckv = _val(b["q"]), _val(b["ckv"])
-        nope, rope, r = b["nope"], b["rope"], b["r"]
-        if qv.dim() != 3 or b["qk"] != nope + rope or qv.shape[-1] % b["qk"] or ckv.dim() != 3 or ckv.shape[-1] != r + rope:
-            raise Mismatch(first, f"inconsistent MLA projections (q {tuple(qv.shape)}, kv_a {tuple(ckv.shape)}, nope/rope/r {nope}/{rope}/{r})")
-        ckv_t = ctx.tensor(b["ckv"])
-        st = {"q": ctx.tensor(b["q"]), "H": qv.shape[-1] // b["qk"], "nope": nope, "rope": rope, "r": r, "q_lora_rank": _q_lora_rank(ctx.r.canon(b["q"]))}
-        st["k_pe"] = ctx.emit(nhil.narrow.default, ckv_t, r, rope)
-        ctx.set(b["kv_nope"], ctx.emit(nhil.narrow.default, ckv_t, 0, r))
+    i, b = match_any([MLA_SPLIT, MLA_ROPE_CACHE, MLA_CORE, MLA_PREFILL_FRONT, LAT_VIEW], ctx.nodes, ctx.r.canon)
+    decode = ctx.r.kind == "decode"
+    if i in (0, 1) and not decode or i in (3, 4) and decode:
+        raise Mismatch(first, f"MLA {'decode' if i < 3 else 'prefill'} piece in a {ctx.r.kind} graph")
+    if i == 0:  # decode: split only
+        st = _split_state(ctx, b)
         ctx.set(b["k_pe"], Marker("mla_k_pe", st))
         ctx.set(b["q_pass"], Marker("mla_q_pass", st))
         ctx.set(b["q_rot"], Marker("mla_q_rot", st))
+        return
+    if i == 3:  # prefill: split + RoPE + query
+        st = _split_state(ctx, b)
+        _check_rope(ctx, b, st)
+        ctx.set(b["k_emb"], Marker("mla_k_rot", st))
+        ctx.set(b["query"], Marker("mla_query", st))
+        return
+    if i == 4:  # prefill: the latent view
+        ctx.set(b["lat_view"], Marker("mla_latent", _latent(ctx, b, None)))
         return
     if i == 1:
         st = _state(ctx, b["k_pe"], "mla_k_pe")
         _state(ctx, b["q_rot"], "mla_q_rot", st)
         _state(ctx, b["q_pass"], "mla_q_pass", st)
-        cos, sin = _val(b["cos"]), _val(b["sin"])
-        if (b["r"] != st["r"] or b["rope"] != st["rope"] or 2 * b["half"] != st["rope"] or cos.shape[-1] != st["rope"]
-                or sin.shape[-1] != st["rope"] or b["S"] != 1):
-            raise Mismatch(first, f"MLA RoPE / latent shapes do not fit (r={b['r']}, rope={b['rope']}, half={b['half']}, cos {tuple(cos.shape)}, S={b['S']})")
-        lat = ctx.tensor(b["lat"])
-        latv = _val(b["lat"])
-        if latv.dim() != 3 or latv.shape[-1] != st["r"]:
-            raise Mismatch(first, f"MLA latent {tuple(latv.shape)} is not [B, S, kv_lora_rank={st['r']}]")
+        if b["S"] != 1:
+            raise Mismatch(first, f"MLA decode takes one token, got S={b['S']}")
+        _check_rope(ctx, b, st)
+        _latent(ctx, b, st)
         lc, rc = ctx.param(b["lcache"]), ctx.param(b["rcache"])
         lcs, rcs = _val(b["lcache"]), _val(b["rcache"])
         if tuple(lcs.shape[:2]) != (1, 1) or lcs.shape[3] != st["r"] or tuple(rcs.shape) != (1, 1, lcs.shape[2], st["rope"]):
             raise Mismatch(b["lc"], f"MLA latent caches {tuple(lcs.shape)} / {tuple(rcs.shape)} are not [1,1,L,r] / [1,1,L,rope]")
-        st.update(lat=lat, cos=ctx.tensor(b["cos"]), sin=ctx.tensor(b["sin"]), lc=lc, rc=rc,
-                  cp=ctx.marker(b["cp0"], "cache_pos0").data, L=int(lcs.shape[2]))
+        st.update(lc=lc, rc=rc, cp=ctx.marker(b["cp0"], "cache_pos0").data, L=int(lcs.shape[2]))
         ctx.set(b["lc"], Marker("mla_latent_cache", st))
         ctx.set(b["rc"], Marker("mla_rope_cache", st))
         ctx.set(b["query"], Marker("mla_query", st))
         return
     st = _state(ctx, b["kv"], "mla_kv")
-    _state(ctx, b["rc"], "mla_rope_cache", st)
+    _state(ctx, b["rc"], "mla_rope_cache" if decode else "mla_k_rot", st)
     _state(ctx, b["query"], "mla_query", st)
     h, nope, v = st["H"], st["nope"], b["v"]
-    if (b["nope"] != nope or b["H"] != h or b["qk"] != nope + st["rope"] or b["nv"] != nope + v or b["L"] != st["L"]
-            or b["S"] != 1 or not isinstance(b["scale"], float) or tuple(st["wshape"]) != (h * (nope + v), st["r"])):
-        raise Mismatch(first, f"inconsistent MLA core (H={b['H']}/{h}, nope={b['nope']}/{nope}, v={v}, L={b['L']}/{st['L']}, kv_b {tuple(st['wshape'])})")
+    seq = st["L"] if decode else b["S"]
+    if (b["nope"] != nope or b["H"] != h or b["qk"] != nope + st["rope"] or b["nv"] != nope + v or b["L"] != seq
+            or (decode and b["S"] != 1) or not isinstance(b["scale"], float) or tuple(st["wshape"]) != (h * (nope + v), st["r"])):
+        raise Mismatch(first, f"inconsistent MLA core (H={b['H']}/{h}, nope={b['nope']}/{nope}, v={v}, L={b['L']}/{seq}, kv_b {tuple(st['wshape'])})")
     mask = ctx.marker(b["mask"], "causal_mask").data
-    if mask[:3] != ("cache", st["L"], None) or mask[3]:
-        raise Mismatch(b["o"], f"MLA decode needs the boolean causal cache mask over L={st['L']}, got {mask}")
-    ctx.r.cache_names += [st["lc"].target, st["rc"].target]
-    out = ctx.emit(nhil.mla_kv.default, st["q"], st["lat"], st["k_pe"], st["lc"], st["rc"], st["cp"], st["cos"], st["sin"], st["w"],
-                   h, st["r"], nope, st["rope"], v, b["scale"], True, st["q_lora_rank"])
+    if mask[:3] != ("cache" if decode else "prefill", seq, None) or mask[3]:
+        raise Mismatch(b["o"], f"MLA needs the boolean causal mask over {seq} keys, got {mask}")
+    attrs = (h, st["r"], nope, st["rope"], v, b["scale"], True, st["q_lora_rank"])
+    if decode:
+        ctx.r.cache_names += [st["lc"].target, st["rc"].target]
+        out = ctx.emit(nhil.mla_kv.default, st["q"], st["lat"], st["k_pe"], st["lc"], st["rc"], st["cp"], st["cos"], st["sin"], st["w"], *attrs)
+    else:
+        out = ctx.emit(nhil.mla.default, st["q"], st["lat"], st["k_pe"], st["cos"], st["sin"], st["w"], *attrs)
     ctx.set(b["out"], out)
 
 
 def h_mla_kv_b(ctx: Ctx, b: dict) -> bool:
-    """``kv_b_proj`` over the latent cache (Linear region): -> Marker('mla_kv') carrying the
-    weight. Returns False when the input is not an MLA latent cache (an ordinary Linear)."""
+    """``kv_b_proj`` over the latent cache (decode) or the prompt's latents (prefill) (Linear
+    region): -> Marker('mla_kv') carrying the weight. Returns False when the input is not an MLA latent cache (an ordinary Linear)."""
     xv = ctx.value(b["x"])
-    if not (isinstance(xv, Marker) and xv.kind == "mla_latent_cache"):
+    if not (isinstance(xv, Marker) and xv.kind in ("mla_latent_cache", "mla_latent")):
         return False
     if "bias" in b:
         raise Mismatch(ctx.nodes[0], "kv_b_proj with a bias is not part of MLA")

@@ -205,7 +205,41 @@ class Raiser:
             groups.setdefault(find(n), []).append(n)
         regs = [Region(*key[piece[0]], piece) for nodes in groups.values() for piece in self._convex_pieces(nodes)]
         regs.sort(key=lambda r: self.index[r.nodes[-1]])
-        return regs
+        return self._dependency_order(regs)
+
+    def _dependency_order(self, regs: list[Region]) -> list[Region]:
+        """Stable topological order of regions: a region comes after every region it reads from.
+
+        Ordering by last node alone can visit a consumer first (DeepSeek-V3 prefill: the
+        ``kv_a_layernorm`` region reads the latent split that lives in the attention region
+        whose last node, the RoPE, comes later). Kahn's algorithm picking the smallest
+        last-node position among the ready regions returns the input order unchanged when
+        it is already topological; on a cycle the input order is kept.
+        """
+        import heapq
+
+        owner = {n: i for i, r in enumerate(regs) for n in r.nodes}
+        deps: list[set[int]] = [set() for _ in regs]
+        users: list[set[int]] = [set() for _ in regs]
+        for i, r in enumerate(regs):
+            for n in r.nodes:
+                for a in n.all_input_nodes:
+                    j = owner.get(self.canon(a))
+                    if j is not None and j != i:
+                        deps[i].add(j)
+                        users[j].add(i)
+        ready = [i for i in range(len(regs)) if not deps[i]]
+        heapq.heapify(ready)
+        left = [len(d) for d in deps]
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for u in users[i]:
+                left[u] -= 1
+                if left[u] == 0:
+                    heapq.heappush(ready, u)
+        return [regs[i] for i in order] if len(order) == len(regs) else regs
 
     def _convex_pieces(self, nodes: list[fx.Node]) -> list[list[fx.Node]]:
         """Split a region where it depends on an outside op that itself depends on the region
