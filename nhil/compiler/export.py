@@ -62,6 +62,11 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
         ``value_cache_<i>`` [1, Hkv, L, hd] are updated in place (``aten.index_copy_``).
         example_inputs = (input_ids=[[0]], cache_position=[0]).
 
+    MLA models (config ``kv_lora_rank``, DeepSeek-V2/V3): the cache holds the compressed
+    latent, so ``key_cache_<i>`` is ``[1, 1, L, kv_lora_rank]`` (the normalised latent) and
+    ``value_cache_<i>`` ``[1, 1, L, qk_rope_head_dim]`` (the RoPE'd shared key), see
+    :func:`_shape_mla_cache`.
+
     Raises:
         CompileError: bad ``max_cache_len`` or the export failed.
     """
@@ -82,6 +87,8 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
             cache_config={"batch_size": 1, "max_cache_len": L},
         )
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=L)
+        if getattr(model.config, "kv_lora_rank", None):
+            _shape_mla_cache(wrapper.model, model.config)
         with torch.no_grad():
             ep = wrapper.export(input_ids=example[0], cache_position=example[1])
     except CompileError:
@@ -94,3 +101,32 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
         if saved_use_cache is not None:
             model.config.use_cache = saved_use_cache
     return ep, example
+
+
+def _shape_mla_cache(static_module: torch.nn.Module, config) -> None:
+    """Re-allocate the StaticCache layers of an MLA model in the latent shapes MLA writes.
+
+    transformers' recipe (``TorchExportableModuleWithStaticCache``) allocates every layer
+    as ``[B, num_key_value_heads, L, head_dim]`` for both keys and values, but
+    ``DeepseekV3Attention.forward`` (transformers 5.24, modeling_deepseek_v3.py) calls
+    ``cache.update(kv_nope, k_rot)`` with the single-head latent ``kv_nope``
+    ``[B, 1, S, kv_lora_rank]`` and shared RoPE key ``k_rot`` ``[B, 1, S, qk_rope_head_dim]``,
+    so ``index_copy_`` fails on the shape mismatch. This re-runs each ``StaticLayer``'s own
+    ``lazy_initialization`` with those shapes (zeros, the model dtype) and re-registers the
+    wrapper's ``key_cache_<i>`` / ``value_cache_<i>`` buffers on the new tensors.
+
+    Raises:
+        CompileError: a cache layer that is not a plain ``StaticLayer``.
+    """
+    from transformers.cache_utils import StaticLayer
+
+    dtype = next(static_module.model.parameters()).dtype
+    batch = static_module.static_cache.layers[0].keys.shape[0]
+    for i, layer in enumerate(static_module.static_cache.layers):
+        if type(layer) is not StaticLayer:
+            raise CompileError(f"MLA decode export needs plain StaticLayer caches, layer {i} is {type(layer).__name__}")
+        layer.is_initialized = False
+        layer.lazy_initialization(torch.zeros((batch, 1, 0, config.kv_lora_rank), dtype=dtype),
+                                  torch.zeros((batch, 1, 0, config.qk_rope_head_dim), dtype=dtype))
+        static_module.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+        static_module.register_buffer(f"value_cache_{i}", layer.values, persistent=False)

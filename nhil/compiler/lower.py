@@ -1,8 +1,9 @@
 """Lowering: graph IR (raised FX graph of ``nhil::*`` primitives) -> PIM program.
 
 Partition (CENT / AttAcc / NeuPIMs): every ``nhil::linear`` (decode GEMV, incl. the LM
-head) and decode attention's q·Kᵀ and p·V run on the PIM device; embedding (and learned
-position embeddings), RMSNorm / LayerNorm, RoPE, softmax, SwiGLU / GELU and residual adds run as host kernels
+head) and decode attention's q·Kᵀ and p·V run on the PIM device (MLA in absorbed form over
+its latent cache: ``lower_mla``); embedding (and learned position embeddings), RMSNorm /
+LayerNorm, RoPE, softmax, SwiGLU / GELU and residual adds run as host kernels
 (``nhil.runtime.host_kernels``), which call the same ``nhil::*`` reference kernels the
 graph IR runs, so host numerics equal the graph IR's.
 
@@ -219,10 +220,18 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             from nhil.compiler.lower_moe import lower_moe
 
             x, rw, gu, dw, n_exp, top_k = node.args[:6]
-            moe_attrs = dict(zip(("score_func", "norm_topk_prob", "act"), node.args[6:]))
+            moe_attrs = dict(zip(("score_func", "norm_topk_prob", "act", "score_bias", "n_group", "topk_group", "routed_scaling_factor"), node.args[6:]))
             if moe_attrs.get("act", "silu") not in ("silu", "swiglu_clamp") or _numel(node) != _numel(x):
                 raise CompileError(f"no lowering for this nhil::moe (act {moe_attrs.get('act')}) at {_where(node)}")
             moe_w = {"router": (const_name(rw), consts[rw.name]), "gate_up": (const_name(gu), consts[gu.name]), "down": (const_name(dw), consts[dw.name])}
+            sb = moe_attrs.pop("score_bias", None)
+            if sb is not None:  # DeepSeek-V3 routing attributes (primitives.moe_routing)
+                moe_w["score_bias"] = (const_name(sb), consts[sb.name])
+                moe_attrs.update(n_group=int(moe_attrs.get("n_group", 1)), topk_group=int(moe_attrs.get("topk_group", 1)),
+                                 routed_scaling_factor=float(moe_attrs.get("routed_scaling_factor", 1.0)))
+            else:
+                for a in ("n_group", "topk_group", "routed_scaling_factor"):
+                    moe_attrs.pop(a, None)
             for key, t in node.kwargs.items():  # keyword-only attributes: optional weights (None when absent) and variant attrs
                 if isinstance(t, torch.fx.Node):
                     moe_w[key] = (const_name(t), consts[t.name])
@@ -232,6 +241,17 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
                 b, arg_buf(x), out, moe_w,
                 dict(moe_attrs, num_experts=n_exp, top_k=top_k, score_func=moe_attrs.get("score_func", "softmax"), norm_topk_prob=moe_attrs.get("norm_topk_prob", True)),
                 layer=len(moe_info)))
+        elif op == "mla_kv":  # absorbed MLA: GEMVs and latent-cache attention in PIM, RoPE / softmax on the host (lower_mla)
+            from nhil.compiler.lower_mla import lower_mla
+
+            q, lat, kpe, lc, rc, cpos, cos, sin, wkv = node.args[:9]
+            names = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "scale", "rope_interleave", "q_lora_rank")
+            mla_attrs = dict(zip(names, node.args[9:]))
+            mla_attrs.setdefault("rope_interleave", True)
+            layer = attn_count
+            attn_count += 1
+            kv_layouts[layer] = lower_mla(b, layer, {"q": arg_buf(q), "latent": arg_buf(lat), "k_rope": arg_buf(kpe), "cos": arg_buf(cos), "sin": arg_buf(sin)},
+                                          const_name(wkv), consts[wkv.name], mla_attrs, int(consts[lc.name].shape[2]), out)
         else:
             raise CompileError(f"no lowering for nhil::{op} at {_where(node)}")
         buf[node.name] = out

@@ -3,7 +3,8 @@
 Per MoE layer (one token per step, ``x`` the [H] host buffer of the block input):
 
 1. **Router** GEMV ``logits = router_weight @ x`` on PIM (``[E, H]`` matrix).
-2. ``HOST moe_route``: softmax -> top-k -> renormalise on the host with
+2. ``HOST moe_route``: softmax -> top-k -> renormalise (or DeepSeek-V3's sigmoid +
+   bias-corrected grouped top-k, the bias a host image) on the host with
    :func:`nhil.compiler.primitives.moe_routing` (the reference kernel's own routing), writing
    ``route`` = ``[ids (as fp32) ..., weights ...]`` (``2*top_k`` values, slot order).
 3. One **expert sub-program** per expert ``e``, each opened by a marker ``HOST moe_expert``
@@ -58,17 +59,20 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
             ``"shared_down_proj"`` ([H,I_s]) and its sigmoid gate ``"shared_expert_gate"`` ([1,H]).
             GPT-OSS: ``"router_bias"`` [E], ``"gate_up_bias"`` [E,2I], ``"down_bias"`` [E,H] with
             ``gate_up`` [E,H,2I] (interleaved gate/up columns) and ``down`` [E,I,H].
+            DeepSeek-V3: ``"score_bias": (name, [E])`` for the sigmoid rule.
         attrs: ``num_experts``, ``top_k``, ``score_func``, ``norm_topk_prob``; optionally
             ``act`` (``silu`` / ``swiglu_clamp`` with ``swiglu_alpha``, ``swiglu_limit``),
-            ``softmax_after_topk``, ``experts_layout`` (``concat`` / ``transposed_interleaved``).
+            ``softmax_after_topk``, ``experts_layout`` (``concat`` / ``transposed_interleaved``);
+            with ``score_bias``: ``n_group``, ``topk_group``, ``routed_scaling_factor``.
         layer: MoE layer ordinal (names buffers, recorded in host-op attrs).
     Returns:
         metadata for ``program.info["moe"]``.
     Raises:
         CompileError: inconsistent shapes, an unknown weight key, or weight format state.
     """
-    unknown = set(weights) - {"router", "gate_up", "down", *SHARED_KEYS, *GPT_OSS_KEYS}
-    unknown_attrs = set(attrs) - {"num_experts", "top_k", "score_func", "norm_topk_prob", "act", "softmax_after_topk", "experts_layout", "swiglu_alpha", "swiglu_limit"}
+    unknown = set(weights) - {"router", "gate_up", "down", "score_bias", *SHARED_KEYS, *GPT_OSS_KEYS}
+    unknown_attrs = set(attrs) - {"num_experts", "top_k", "score_func", "norm_topk_prob", "act", "softmax_after_topk", "experts_layout", "swiglu_alpha", "swiglu_limit",
+                                  "n_group", "topk_group", "routed_scaling_factor"}
     if unknown or unknown_attrs:
         raise CompileError(f"moe layer {layer}: no lowering for moe attributes {sorted(unknown | unknown_attrs)}")
     (rn, rw), (gn, gu), (dn, dw) = weights["router"], weights["gate_up"], weights["down"]
@@ -97,8 +101,11 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
     else:
         b.gemv(pr, x_buf, f"{pre}.logits")
     b.buffer(f"{pre}.route", 2 * k)
-    route_attrs = {"softmax_after_topk": True} if attrs.get("softmax_after_topk") else {}
-    b.host("moe_route", [f"{pre}.logits"], [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]), **route_attrs)
+    route_in, route_attrs = [f"{pre}.logits"], ({"softmax_after_topk": True} if attrs.get("softmax_after_topk") else {})
+    if "score_bias" in weights:  # DeepSeek-V3 sigmoid rule: bias-corrected grouped top-k, routed scaling factor
+        route_in.append(b.host_image(*weights["score_bias"]))
+        route_attrs = {a: attrs[a] for a in ("n_group", "topk_group", "routed_scaling_factor")}
+    b.host("moe_route", route_in, [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]), **route_attrs)
     markers, ys, macs = [], [], []
     for e in range(e_count):
         if b._wfmt != 0:
@@ -137,7 +144,7 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
     b.host("moe_dispatch", [f"{pre}.route", *ys], [routed], layer=layer, experts=markers, top_k=k, num_experts=e_count)
     info = {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
             "norm_topk_prob": bool(attrs["norm_topk_prob"]), "expert_markers": markers, "dispatch": len(b.host_ops) - 1,
-            "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows)}
+            "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows), **route_attrs}
     if shared is not None:
         ins = [routed, shared["y"]] + ([shared["gate"]] if shared["gate"] else [])
         b.host("moe_shared_add", ins, [out], gated=shared["gate"] is not None)

@@ -48,13 +48,26 @@ _SCHEMAS = {
     "pos_embedding": "pos_embedding(Tensor x, Tensor table, Tensor position_ids) -> Tensor",
     "moe": (
         "moe(Tensor x, Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, int num_experts, int top_k, "
-        "str score_func='softmax', bool norm_topk_prob=True, str act='silu', *, "
+        "str score_func='softmax', bool norm_topk_prob=True, str act='silu', "
+        # DeepSeek-V3 sigmoid rule: bias-corrected grouped top-k, routed scaling factor
+        "Tensor? score_bias=None, int n_group=1, int topk_group=1, float routed_scaling_factor=1.0, *, "
         # shared expert (Qwen2-MoE: SwiGLU MLP on every token, optionally sigmoid-gated)
         "Tensor? shared_gate_proj=None, Tensor? shared_up_proj=None, Tensor? shared_down_proj=None, "
         "Tensor? shared_expert_gate=None, "
         # GPT-OSS: biased router, top-k -> softmax, transposed interleaved biased experts, clamped SwiGLU
         "Tensor? router_bias=None, bool softmax_after_topk=False, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
         "str experts_layout='concat', float swiglu_alpha=1.702, float swiglu_limit=7.0) -> Tensor"
+    ),
+    "mla_kv": (
+        "mla_kv(Tensor q, Tensor kv_latent, Tensor k_rope, Tensor(a!) latent_cache, Tensor(b!) rope_cache, "
+        "Tensor cache_position, Tensor cos, Tensor sin, Tensor kv_b_weight, int num_heads, int kv_lora_rank, "
+        "int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim, float scale, bool rope_interleave=True, "
+        "int? q_lora_rank=None) -> Tensor"
+    ),
+    "mla": (
+        "mla(Tensor q, Tensor kv_latent, Tensor k_rope, Tensor cos, Tensor sin, Tensor kv_b_weight, int num_heads, "
+        "int kv_lora_rank, int qk_nope_head_dim, int qk_rope_head_dim, int v_head_dim, float scale, "
+        "bool rope_interleave=True, int? q_lora_rank=None) -> Tensor"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -429,33 +442,70 @@ def add_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
 
 
-MOE_SCORE_FUNCS = ("softmax",)
+MOE_SCORE_FUNCS = ("softmax", "sigmoid")
 MOE_ACTS = ("silu", "swiglu_clamp")
 MOE_LAYOUTS = ("concat", "transposed_interleaved")
 
 
-def moe_routing(logits: torch.Tensor, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, softmax_after_topk: bool = False):
+def moe_routing(logits: torch.Tensor, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True,
+                score_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                routed_scaling_factor: float = 1.0, softmax_after_topk: bool = False):
     """Routing rule of :func:`moe_ref`: router logits [T,E] fp32 -> (weights [T,k] fp32, expert ids [T,k] int64).
 
-    ``softmax_after_topk`` (GPT-OSS): ``topk`` of the logits, then ``softmax`` (fp32) over
-    the k selected logits, dim 1 (modeling_gpt_oss.GptOssTopKRouter.forward); the router
-    bias is part of the logits. ``norm_topk_prob`` does not apply then. Otherwise:
+    ``softmax`` (Mixtral / Qwen3-MoE): ``softmax`` (fp32) -> ``topk(k)`` (largest, sorted;
+    ties resolved as torch.topk on CPU does, which is *not* lowest index first: all-equal
+    [1,4] scores select experts 2, 3) -> with ``norm_topk_prob`` the in-place
+    renormalisation ``w /= w.sum(-1, keepdim=True)``. Source:
+    modeling_mixtral.MixtralTopKRouter.forward, modeling_qwen3_moe.Qwen3MoeTopKRouter.forward
+    (transformers 5.24).
 
-    ``softmax`` (fp32) -> ``topk(k)`` (largest, sorted; ties resolved as torch.topk on CPU
-    does, which is *not* lowest index first: all-equal [1,4] scores select experts 2, 3) -> with ``norm_topk_prob`` the in-place renormalisation
-    ``w /= w.sum(-1, keepdim=True)``. Source: modeling_mixtral.MixtralTopKRouter.forward,
-    modeling_qwen3_moe.Qwen3MoeTopKRouter.forward (transformers 5.24). Shared by the
-    reference kernel and the ``moe_route`` host kernel so both route identically.
+    ``sigmoid`` (DeepSeek-V3 "noaux_tc", modeling_deepseek_v3.DeepseekV3TopkRouter.forward):
+    ``s = sigmoid(logits)``; selection scores ``s' = s + score_bias`` (``e_score_correction_bias``
+    [E] fp32, required; it only steers selection); group score = sum of the top-2 ``s'`` of
+    each of the ``n_group`` groups of E/n_group experts; the ``topk_group`` best groups are
+    kept (``scatter_`` mask, others ``-inf``); ids = ``topk(s', k, sorted=False)``; weights
+    = ``s.gather(ids)`` (uncorrected), with ``norm_topk_prob`` divided by ``sum + 1e-20``.
+
+    ``softmax_after_topk`` (GPT-OSS, with ``softmax``): ``topk`` of the logits, then ``softmax``
+    (fp32) over the k selected logits, dim 1 (modeling_gpt_oss.GptOssTopKRouter.forward); the
+    router bias is part of the logits; ``norm_topk_prob`` does not apply then.
+
+    All: ``routed_scaling_factor`` != 1 multiplies the weights last (``w * factor``).
+    Shared by the reference kernel and the ``moe_route`` host kernel so both route identically.
+
+    Raises:
+        ValueError: unknown score function, ``sigmoid`` without ``score_bias``, or E not
+            divisible by ``n_group``.
     """
     if score_func not in MOE_SCORE_FUNCS:
         raise ValueError(f"moe score function {score_func!r} is not supported ({', '.join(MOE_SCORE_FUNCS)})")
-    if softmax_after_topk:
+    if score_func == "softmax" and softmax_after_topk:
         v, ids = torch.topk(logits, top_k)
-        return F.softmax(v, dim=1, dtype=torch.float32), ids
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    w, ids = torch.topk(probs, top_k)
-    if norm_topk_prob:
-        w /= w.sum(dim=-1, keepdim=True)
+        w = F.softmax(v, dim=1, dtype=torch.float32)
+    elif score_func == "softmax":
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, top_k)
+        if norm_topk_prob:
+            w /= w.sum(dim=-1, keepdim=True)
+    else:
+        e = logits.shape[-1]
+        if score_bias is None or n_group < 1 or e % n_group or not 0 < topk_group <= n_group:
+            raise ValueError(f"sigmoid routing needs score_bias [E] and n_group dividing E={e} (n_group={n_group}, topk_group={topk_group}, bias {'missing' if score_bias is None else 'given'})")
+        scores = logits.sigmoid()
+        choice = scores + score_bias
+        group_scores = choice.view(-1, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(-1, e)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        if norm_topk_prob:
+            denominator = w.sum(dim=-1, keepdim=True) + 1e-20
+            w /= denominator
+    if routed_scaling_factor != 1.0:
+        w = w * routed_scaling_factor
     return w, ids
 
 
@@ -524,13 +574,18 @@ def moe_expert_ffn_gpt_oss(x, gate_up, gate_up_bias, down, down_bias, ids, alpha
 
 @_impl("moe")
 def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: int, score_func: str = "softmax", norm_topk_prob: bool = True, act: str = "silu",
+            score_bias=None, n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0,
             *, shared_gate_proj=None, shared_up_proj=None, shared_down_proj=None, shared_expert_gate=None,
             router_bias=None, softmax_after_topk: bool = False, gate_up_bias=None, down_bias=None,
             experts_layout: str = "concat", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
     """Sparse MoE block: x [B,S,H] fp32 -> [B,S,H].
 
     router_weight [E,H]; gate_up_proj [E,2I,H] (gate rows first, then up rows);
-    down_proj [E,H,I]. Routing: :func:`moe_routing` over ``F.linear(x, router_weight)``.
+    down_proj [E,H,I]. Routing: :func:`moe_routing` over ``F.linear(x, router_weight)``
+    (``score_bias`` [E], ``n_group``, ``topk_group``, ``routed_scaling_factor``: the
+    DeepSeek-V3 sigmoid rule, defaults = the softmax rule of Mixtral). Shared experts are
+    not part of this primitive: DeepSeek-V3's ``shared_experts`` is a plain
+    ``DeepseekV3MLP`` and raises into ``linear`` / ``silu_mul`` plus an ``add``.
     Each token's k selected experts run the SwiGLU FFN (:func:`moe_expert_ffn`), are scaled
     by their routing weight and summed in slot order (``view(T,k,H).sum(1)``).
     Same torch ops in the same order as transformers 5.24 with
@@ -573,7 +628,7 @@ def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: 
     if shared_gate_proj is not None:
         shared = moe_shared_expert(hs, shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate)
     logits = F.linear(hs.reshape(-1, h), router_weight, router_bias)
-    w, ids = moe_routing(logits, top_k, score_func, norm_topk_prob, softmax_after_topk)
+    w, ids = moe_routing(logits, top_k, score_func, norm_topk_prob, score_bias, n_group, topk_group, routed_scaling_factor, softmax_after_topk=softmax_after_topk)
     xs = hs.repeat_interleave(top_k, dim=0)
     if gpt_oss:
         y = moe_expert_ffn_gpt_oss(xs, gate_up_proj, gate_up_bias, down_proj, down_bias, ids.reshape(-1), swiglu_alpha, swiglu_limit)
@@ -584,6 +639,106 @@ def moe_ref(x, router_weight, gate_up_proj, down_proj, num_experts: int, top_k: 
     if shared is not None:
         out = out + shared
     return out.reshape(b, s, h)
+
+
+def rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair RoPE of DeepSeek (``rope_interleave=True``): x [B,H,S,d], cos/sin [B,S,d]
+    (``cat(freqs, freqs)`` tables) -> [B,H,S,d], pairs (x0,x1),(x2,x3).. rotated, output laid out
+    as ``cat(even', odd')``. Same ops as modeling_deepseek_v3.apply_rotary_pos_emb_interleave."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _mla_check(q, kv_latent, k_rope, kv_b_weight, num_heads, kv_lora_rank, nope, rope, v):
+    if (q.shape[-1] != num_heads * (nope + rope) or kv_latent.shape[-1] != kv_lora_rank or k_rope.shape[-1] != rope
+            or tuple(kv_b_weight.shape) != (num_heads * (nope + v), kv_lora_rank)):
+        raise ValueError(f"inconsistent MLA shapes: q {tuple(q.shape)}, latent {tuple(kv_latent.shape)}, k_rope {tuple(k_rope.shape)}, "
+                         f"kv_b {tuple(kv_b_weight.shape)} for {num_heads} heads, kv_lora_rank {kv_lora_rank}, nope/rope/v {nope}/{rope}/{v}")
+
+
+def mla_rope_parts(q, k_rope, cos, sin, num_heads, nope, rope, interleave):
+    """MLA head split + RoPE: q [B,S,H*(nope+rope)], k_rope [B,S,rope], cos/sin [B,S,rope] ->
+    (q_pass [B,H,S,nope], q_rot [B,H,S,rope] RoPE'd, k_rot [B,1,S,rope] RoPE'd).
+    ``interleave``: :func:`rope_interleave`, else rotate-half (modeling_deepseek_v3.apply_rotary_pos_emb).
+    Shared by :func:`mla_kv_ref` and the ``mla_rope`` host kernel."""
+    b, s, _ = q.shape
+    qh = q.view(b, s, -1, nope + rope).transpose(1, 2)
+    q_pass, q_rot = torch.split(qh, [nope, rope], dim=-1)
+    k_rot = k_rope.view(b, 1, s, rope)
+    if interleave:
+        q_rot, k_rot = rope_interleave(q_rot, cos, sin), rope_interleave(k_rot, cos, sin)
+    else:
+        q_rot, k_rot = _apply_rope(q_rot, cos, sin), _apply_rope(k_rot, cos, sin)
+    return q_pass, q_rot, k_rot
+
+
+def _mla_core(q_pass, q_rot, latent, k_rot, kv_b_weight, vis, num_heads, nope, v, scale):
+    """Expand the latent (``kv_b_proj``), assemble keys ``[k_nope ‖ k_rot]``, SDPA; -> [B,S,H*v].
+    Same ops as modeling_deepseek_v3.DeepseekV3Attention.expand_kv + sdpa_attention_forward."""
+    b, _, s, _ = q_pass.shape
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    n = latent.shape[2]
+    kv = F.linear(latent, kv_b_weight).view(b, n, -1, nope + v).transpose(1, 2)
+    k_nope, value = torch.split(kv, [nope, v], dim=-1)
+    k_rot = k_rot.expand(-1, k_nope.shape[1], -1, -1)
+    key = kv.new_empty(*kv.shape[:-1], nope + k_rot.shape[-1])
+    key[..., :nope].copy_(k_nope)
+    key[..., nope:].copy_(k_rot)
+    mask = vis[None, None].expand(b, -1, s, vis.shape[-1])
+    o = F.scaled_dot_product_attention(query, key, value, mask, scale=scale)
+    return o.reshape(b, -1, s, v).transpose(1, 2).reshape(b, s, -1).contiguous()
+
+
+@_impl("mla_kv")
+def mla_kv_ref(q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, cos, sin, kv_b_weight, num_heads: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, scale: float, rope_interleave: bool = True, q_lora_rank=None):
+    """Multi-head latent attention (DeepSeek-V2/V3 MLA) over a static *latent* cache, as exported.
+
+    q [B,S,H*(nope+rope)] (``q_b_proj`` output, or ``q_proj`` without q LoRA; pre-RoPE),
+    kv_latent [B,S,r] (``kv_a_layernorm`` of the first r=kv_lora_rank features of
+    ``kv_a_proj_with_mqa``), k_rope [B,S,rope] (its last rope features, pre-RoPE),
+    latent_cache [B,1,L,r] / rope_cache [B,1,L,rope] (mutated: ``index_copy_(2,
+    cache_position, ·)`` of the latent and the RoPE'd shared key), cos/sin [B,S,rope]
+    (``rope_cos_sin``, YaRN tables), kv_b_weight [H*(nope+v), r] -> [B,S,H*v].
+    ``scale`` is the exported softmax scale (qk_head_dim^-0.5 times the YaRN
+    ``mscale(factor, mscale_all_dim)^2`` correction when rope_parameters carry it).
+    ``q_lora_rank`` is descriptive (the q LoRA is carried by the linear/rms_norm before q).
+    Expanded (non-absorbed) form, op for op: modeling_deepseek_v3.DeepseekV3Attention.forward
+    and expand_kv, apply_rotary_pos_emb_interleave (``rope_interleave``; else rotate-half),
+    StaticLayer.update, integrations/sdpa_attention.py with the causal bool mask.
+    The PIM lowering executes the equivalent absorbed form (``lower_mla``).
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    nope, rope, v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    _mla_check(q, kv_latent, k_rope, kv_b_weight, num_heads, kv_lora_rank, nope, rope, v)
+    b, s, _ = q.shape
+    q_pass, q_rot, k_rot = mla_rope_parts(q, k_rope, cos, sin, num_heads, nope, rope, rope_interleave)
+    latent_cache.index_copy_(2, cache_position, kv_latent.view(b, 1, s, kv_lora_rank))
+    rope_cache.index_copy_(2, cache_position, k_rot)
+    vis = visible_mask(cache_position, latent_cache.shape[2], None)
+    return _mla_core(q_pass, q_rot, latent_cache, rope_cache, kv_b_weight, vis, num_heads, nope, v, scale)
+
+
+@_impl("mla")
+def mla_ref(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+            v_head_dim: int, scale: float, rope_interleave: bool = True, q_lora_rank=None):
+    """Causal MLA without cache (prefill from position 0): :func:`mla_kv_ref` with the prompt's
+    own latents and RoPE'd shared keys as keys/values (shapes, sources and ``scale`` ditto;
+    -> [B,S,H*v]).
+
+    Raises:
+        ValueError: inconsistent shapes.
+    """
+    nope, rope, v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    _mla_check(q, kv_latent, k_rope, kv_b_weight, num_heads, kv_lora_rank, nope, rope, v)
+    b, s, _ = q.shape
+    q_pass, q_rot, k_rot = mla_rope_parts(q, k_rope, cos, sin, num_heads, nope, rope, rope_interleave)
+    vis = visible_mask(torch.arange(s, device=q.device), s, None)
+    return _mla_core(q_pass, q_rot, kv_latent.view(b, 1, s, kv_lora_rank), k_rot, kv_b_weight, vis, num_heads, nope, v, scale)
 
 
 # ---------------------------------------------------------------- fake kernels
@@ -667,5 +822,18 @@ def _pos_embedding_fake(x, table, position_ids):
 
 
 @_fake("moe")
-def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu", **kwargs):
+def _moe_fake(x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu",
+              score_bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, **kwargs):
     return torch.empty_like(x)
+
+
+@_fake("mla_kv")
+def _mla_kv_fake(q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, cos, sin, kv_b_weight, num_heads, kv_lora_rank,
+                 qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale, rope_interleave=True, q_lora_rank=None):
+    return q.new_empty((*q.shape[:-1], num_heads * v_head_dim))
+
+
+@_fake("mla")
+def _mla_fake(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale,
+              rope_interleave=True, q_lora_rank=None):
+    return q.new_empty((*q.shape[:-1], num_heads * v_head_dim))

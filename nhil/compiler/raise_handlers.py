@@ -205,6 +205,10 @@ def h_conv1d(ctx: Ctx) -> None:
 def h_linear(ctx: Ctx) -> None:
     """nn.Linear -> nhil.linear; inside a MoE block (input a MoE Marker) -> a shared-expert Marker."""
     b = ctx.match([_one(aten.linear.default, (V("x"), V("w"))), _one(aten.linear.default, (V("x"), V("w"), V("bias")))])
+    from nhil.compiler.raise_deepseek import h_mla_kv_b
+
+    if h_mla_kv_b(ctx, b):  # MLA kv_b_proj over the latent cache (part of nhil.mla_kv)
+        return
     xv = ctx.value(b["x"])
     if isinstance(xv, Marker) and xv.kind in ("moe_tokens", "moe_shared_h"):
         _moe_shared_linear(ctx, b, xv)
@@ -1034,6 +1038,15 @@ def _moe_shared_linear(ctx: Ctx, b: dict, xv: Marker) -> None:
     ctx.set(b["out"], Marker("moe_shared", dict(xv.data, down=ctx.param(b["w"]))))
 
 
+def emit_moe(ctx: Ctx, st: dict, **shared) -> fx.Node:
+    """The ``nhil.moe`` node of a raised MoE block from its experts Marker data: router,
+    experts, routing rule (``score``, ``norm``; ``extra`` = act + DeepSeek routing
+    attributes from ``raise_deepseek.h_ds_router``, else ``act``) and keyword attributes
+    (``kw``: GPT-OSS; ``shared``: Qwen2-MoE's shared expert)."""
+    pos = st.get("extra") or (st.get("act", "silu"),)
+    return ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], st["dn"], st["E"], st["k"], st["score"], st["norm"], *pos, **shared, **st.get("kw", {}))
+
+
 def h_moe_block(ctx: Ctx) -> None:
     """SparseMoeBlock glue: ``hidden.view(-1, H)`` -> Marker('moe_tokens'); the block tail
     -> the nhil.moe node: ``reshape(routed, [B, S, H])`` (Mixtral, Qwen3-MoE) or
@@ -1060,7 +1073,7 @@ def h_moe_block(ctx: Ctx) -> None:
         if sh["tok"] is not st["tok"] or gl["tok"] is not st["tok"] or gl["shape"] != (1, h):
             raise Mismatch(n, f"MoE shared expert / its gate {gl['shape']} do not belong to this block (H={h})")
         shared = {"shared_gate_proj": sh["gate"], "shared_up_proj": sh["up"], "shared_down_proj": sh["down"], "shared_expert_gate": gl["w"]}
-    node = ctx.emit(nhil.moe.default, st["tok"]["x"], st["rw"], st["gu"], st["dn"], st["E"], st["k"], st["score"], st["norm"], st.get("act", "silu"), **shared, **st["kw"])
+    node = emit_moe(ctx, st, **shared)
     ctx.set(b["out"], node)
 
 
@@ -1187,8 +1200,22 @@ ROLE_SUFFIXES: list[tuple[str, str]] = [
 ]
 
 
+_FAMILIES_LOADED = False
+
+
+def _load_families() -> None:
+    """Register the handlers of families kept in their own modules (exact class names)."""
+    global _FAMILIES_LOADED
+    from nhil.compiler.raise_deepseek import DEEPSEEK_HANDLERS
+
+    HANDLERS.update(DEEPSEEK_HANDLERS)
+    _FAMILIES_LOADED = True
+
+
 def handler_for(cls: str, path: str = "") -> Callable[[Ctx], None] | None:
     """Handler of a module class: exact class name first, then by role suffix."""
+    if not _FAMILIES_LOADED:
+        _load_families()
     if cls in HANDLERS:
         return HANDLERS[cls]
     for suffix, base in ROLE_SUFFIXES:

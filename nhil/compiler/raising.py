@@ -215,7 +215,8 @@ class Raiser:
         computes the position ids inside the Model's mask region, whose last node (the
         mask) comes after the ``wpe`` lookup that reads the positions. Kahn's algorithm
         with the last-node index as priority keeps the last-node order wherever it is
-        already topological; a cyclic remainder keeps that order too.
+        already topological; a cyclic remainder keeps that order too. DeepSeek-V3 prefill needs
+        it too: its ``kv_a_layernorm`` region reads the latent split of the attention region.
         """
         import heapq
 

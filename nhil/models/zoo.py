@@ -10,7 +10,9 @@ loop does not export: data-dependent guards).
 Weights: ``torch.manual_seed(seed)`` then HF's default init, after which every matrix
 (and every 3-D expert tensor) is redrawn from N(0, 0.15): the default std 0.02 gives
 near-uniform logits, so greedy decoding would hinge on ties. Norm weights and biases keep
-their init except that 1-D biases are redrawn from N(0, 0.1) so that QKV bias matters.
+their init except that 1-D biases are redrawn from N(0, 0.1) so that QKV bias matters;
+likewise DeepSeek-V3's router buffer ``e_score_correction_bias`` (zeros at init) is drawn
+from N(0, 0.1) so that the bias-corrected expert selection differs from the plain one.
 """
 
 from __future__ import annotations
@@ -114,8 +116,13 @@ def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
                 p.normal_(0.0, 0.15)
             elif pname.endswith("bias") and "norm" not in pname and "ln_" not in pname:
                 p.normal_(0.0, 0.1)
+        weights_id = f"seed:{seed}"
+        for bname, buf in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # deepseek_v3: HF inits it to 0, which hides the bias correction
+                buf.normal_(0.0, 0.1)
+                weights_id = f"seed:{seed};router-bias:N(0,0.1)"
     model.eval()
-    return ModelBundle(name=name, model=model, tokenizer=None, weights_id=f"seed:{seed}", source=f"{model_cls} tiny (seeded): {notes}")
+    return ModelBundle(name=name, model=model, tokenizer=None, weights_id=weights_id, source=f"{model_cls} tiny (seeded): {notes}")
 
 
 for _name, (_c, _m, _kw, _notes) in ZOO.items():

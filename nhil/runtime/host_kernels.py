@@ -127,14 +127,17 @@ def softcap(inputs, outputs, ctx, cap):
 
 
 @kernel("moe_route")
-def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="softmax", softmax_after_topk=False):
-    """MoE routing on the host: router logits [E] -> ``route`` = [expert ids (fp32) ..., weights ...]
-    (``2*top_k``, slot order), by ``primitives.moe_routing`` (the reference kernel's routing;
-    ``softmax_after_topk``: GPT-OSS top-k then softmax, logits incl. the router bias)."""
+def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="softmax", softmax_after_topk=False, n_group=1, topk_group=1, routed_scaling_factor=1.0):
+    """MoE routing on the host: router logits [E] (and, for the DeepSeek sigmoid rule, the
+    ``e_score_correction_bias`` [E] as a second input) -> ``route`` = [expert ids (fp32) ...,
+    weights ...] (``2*top_k``, slot order), by ``primitives.moe_routing`` (the reference
+    kernel's routing; ``softmax_after_topk``: GPT-OSS top-k then softmax, logits incl. the router bias)."""
     from nhil.compiler.primitives import moe_routing
 
-    (logits,) = inputs
-    w, ids = moe_routing(_t(logits).reshape(1, -1), top_k, score_func, norm_topk_prob, softmax_after_topk)
+    logits = inputs[0]
+    bias = _t(inputs[1]) if len(inputs) > 1 else None
+    w, ids = moe_routing(_t(logits).reshape(1, -1), top_k, score_func, norm_topk_prob, bias, n_group, topk_group, routed_scaling_factor,
+                         softmax_after_topk=softmax_after_topk)
     outputs[0][:top_k] = ids.reshape(-1).numpy().astype(np.float32)
     outputs[0][top_k:] = w.reshape(-1).numpy()
 
@@ -203,3 +206,32 @@ def moe_swiglu_clamp(inputs, outputs, ctx, alpha, limit):
 
     g, u, gb, ub = (_t(a) for a in inputs)
     outputs[0][:] = swiglu_clamp(g + gb, u + ub, alpha, limit).numpy()
+
+
+@kernel("mla_rope")
+def mla_rope(inputs, outputs, ctx, num_heads, qk_nope_head_dim, qk_rope_head_dim, rope_interleave=True):
+    """Host half of MLA (``lower_mla`` step 1): q [H*(nope+rope)], k_rope [rope], cos/sin [rope]
+    -> (q_rot of every head, RoPE'd [H*rope]; shared k_rot RoPE'd [rope]), by
+    ``primitives.mla_rope_parts`` (the ``nhil::mla_kv`` reference's own code)."""
+    from nhil.compiler.primitives import mla_rope_parts
+
+    q, k_rope, cos, sin = inputs
+    row = lambda a: _t(a).reshape(1, 1, -1)  # noqa: E731
+    _, q_rot, k_rot = mla_rope_parts(row(q), row(k_rope), row(cos), row(sin), num_heads, qk_nope_head_dim, qk_rope_head_dim, rope_interleave)
+    outputs[0][:] = q_rot.reshape(-1).numpy()
+    outputs[1][:] = k_rot.reshape(-1).numpy()
+
+
+@kernel("mla_pack")
+def mla_pack(inputs, outputs, ctx, num_heads, kv_lora_rank, qk_rope_head_dim, width):
+    """MLA query / key rows (``lower_mla`` step 3): ``qcat_h = [q_abs_h ‖ q_rot_h ‖ 0]`` per head
+    and ``kcat = [latent ‖ k_rot ‖ 0]``, each ``width`` wide (r + rope rounded up to the burst)."""
+    qabs, qrot, latent, krot = inputs
+    r, rope = kv_lora_rank, qk_rope_head_dim
+    q = np.zeros((num_heads, width), np.float32)
+    q[:, :r] = np.asarray(qabs).reshape(num_heads, r)
+    q[:, r : r + rope] = np.asarray(qrot).reshape(num_heads, rope)
+    outputs[0][:] = q.reshape(-1)
+    outputs[1][:] = 0.0
+    outputs[1][:r] = latent
+    outputs[1][r : r + rope] = krot
