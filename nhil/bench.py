@@ -228,7 +228,8 @@ def bench_matrix(workers: tuple[int, ...] = (1, 2), rows: str = "default", sweep
     Returns:
         ``{"rows": rows, "runs": [{"workers", "wall_s" (first row start to last row end, from
         the run's summary.json), "process_s" (the whole pytest process, start-up and
-        collection included), "rows_done", "outcomes", "dir", "returncode"}], "speedup"
+        collection included), "rows_done", "outcomes", "dir", "returncode", "loadavg_1m_before",
+        "loadavg_1m_after", "cpus" (a shared machine's load skews both)}], "speedup"
         (wall_s of the first count / wall_s of the last)}``. Caches count: goldens and RTL
         builds made by an earlier run are reused, so time after one warm-up sweep
         (``nhil sweep``) for a fair comparison.
@@ -252,6 +253,7 @@ def bench_matrix(workers: tuple[int, ...] = (1, 2), rows: str = "default", sweep
         env = dict(os.environ, NHIL_MATRIX_ROWS=rows, NHIL_SWEEP_ROOT=str(root))
         cmd = [python, "-m", "pytest", "-n", str(w), "-q", "-m", "nightly", "-o", "addopts=", "-p", "no:cacheprovider", str(test)]
         before = (root / "latest").resolve() if (root / "latest").exists() else None
+        load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         process_s = time.perf_counter() - t0
@@ -260,7 +262,8 @@ def bench_matrix(workers: tuple[int, ...] = (1, 2), rows: str = "default", sweep
             raise SetupError(f"nightly matrix with {w} worker(s) wrote no aggregated report under {root}: {(proc.stdout + proc.stderr)[-800:]}")
         summ = json.loads((latest / "summary.json").read_text())
         out["runs"].append({"workers": w, "wall_s": summ.get("wall_s"), "process_s": round(process_s, 2), "rows_done": summ.get("rows_done"),
-                            "rows_total": summ.get("rows_total"), "outcomes": summ.get("outcomes"), "dir": str(latest), "returncode": proc.returncode})
+                            "rows_total": summ.get("rows_total"), "outcomes": summ.get("outcomes"), "dir": str(latest), "returncode": proc.returncode,
+                            "loadavg_1m_before": round(load0, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()})
     if len(out["runs"]) >= 2 and out["runs"][-1]["wall_s"]:
         out["speedup"] = out["runs"][0]["wall_s"] / out["runs"][-1]["wall_s"]
     return out
@@ -272,7 +275,8 @@ def _matrix_table_rows(t, m: dict) -> None:
         ratio = f"{r['wall_s'] / base['wall_s']:.2f}" if base.get("wall_s") else ""
         outs = ", ".join(f"{k} {v}" for k, v in (r.get("outcomes") or {}).items())
         t.add_row("", f"nightly matrix ({m['rows']} rows), {r['workers']} worker(s)", f"{r['wall_s']:.1f} s", ratio,
-                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); pytest process {r['process_s']:.1f} s")
+                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); pytest process {r['process_s']:.1f} s; "
+                  f"load {r['loadavg_1m_before']:.1f} on {r['cpus']} CPUs")
     if "speedup" in m:
         t.add_row("", "nightly matrix speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
 

@@ -213,9 +213,9 @@ def sweep_cmd(
 def checklist(output: Optional[Path] = typer.Option(None, "-o")) -> None:
     """Render the silicon bring-up checklist from expectations.yaml and the latest sweep."""
     from nhil import expectations
-    from nhil.sweep import checklist_markdown, latest_results
+    from nhil.sweep import checklist_markdown, latest_results, latest_summary
 
-    text = checklist_markdown(expectations.load(), latest_results())
+    text = checklist_markdown(expectations.load(), latest_results(), latest_summary())
     if output:
         from nhil.util import atomic_write_text
 

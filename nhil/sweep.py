@@ -100,7 +100,8 @@ def matrix_markdown(results: list[dict], meta: dict | None = None) -> str:
     lines = []
     if meta:
         lines += [f"wall time {meta.get('wall_s', '?')} s (first row start to last row end) with {meta.get('workers', '?')} worker(s); "
-                  f"{meta.get('rows_done', len(results))}/{meta.get('rows_total', '?')} rows; run seed {meta.get('run_seed', '?')}; started {meta.get('started', '?')}", ""]
+                  f"{meta.get('rows_done', len(results))}/{meta.get('rows_total', '?')} rows; run seed {meta.get('run_seed', '?')}; started {meta.get('started', '?')}; "
+                  f"commit {meta.get('git_commit', '?')}", ""]
     targets = sorted({r["target"] for r in results})
     keys = sorted({(r["model"], r.get("quant") or "bf16") for r in results})
     cell = {(r["model"], r.get("quant") or "bf16", r["target"]): r for r in results}
@@ -197,7 +198,7 @@ def sweep(rows: list[dict], run_seed: int = 0, out_root: Path = Path("runs/sweep
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
     t0 = time.time()
-    meta = {"kind": "sweep", "started": _iso(t0), "workers": 1, "rows_total": len(rows), "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0}
+    meta = {"kind": "sweep", "started": _iso(t0), "workers": 1, "rows_total": len(rows), "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0, "git_commit": git_commit()}
     _point_latest(out)
     for i, row in enumerate(rows, 1):
         print(f"[sweep] {i}/{len(rows)} {row['model']} x {row['target']} x {row.get('quant', 'bf16')} ...", file=sys.stderr, flush=True)
@@ -235,7 +236,7 @@ def shared_sweep_dir(out_root: Path, run_id: str, rows_total: int, workers: int,
         out = root / f"{_now().strftime('%Y%m%dT%H%M%S')}-{kind}-{tag}"
         out.mkdir()
         meta = {"kind": kind, "run_id": str(run_id), "started": _iso(t0), "started_epoch": t0, "workers": int(workers), "rows_total": int(rows_total),
-                "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0}
+                "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0, "git_commit": git_commit()}
         atomic_write_text(out / "summary.json", json.dumps(meta, indent=2) + "\n")
         _point_latest(out)
         return out
@@ -278,19 +279,60 @@ CHECKLIST_STEPS = [
 ]
 
 
-def checklist_markdown(manifest: list[dict], results: list[dict]) -> str:
-    """Silicon bring-up checklist: per manifest row, each bring-up step checked from the latest result."""
+def _evidence(r: dict) -> str:
+    """Run folder and its UTC date (from the folder's ``<YYYYmmddTHHMMSS>-`` prefix) of a result."""
+    rd = r.get("run_dir")
+    if not rd:
+        return "-"
+    name = Path(rd).name
+    try:
+        when = _dt.datetime.strptime(name[:15], "%Y%m%dT%H%M%S").strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        when = "?"
+    return f"`{rd}/report.html` ({when} UTC)"
+
+
+def checklist_markdown(manifest: list[dict], results: list[dict], meta: dict | None = None) -> str:
+    """Silicon bring-up checklist: per manifest row, each bring-up step checked from the latest result.
+
+    Columns: the row, its expected and latest outcome, one mark per :data:`CHECKLIST_STEPS`
+    step, the evidence (the run's report and date) and the row's ``owner`` (manifest field,
+    ``-`` if unset). ``meta`` is the sweep's ``summary.json`` (folder, start, wall time,
+    workers, git commit) shown in the header."""
     by = {(r["model"], r["target"], r.get("quant", "bf16")): r for r in results}
-    lines = ["# Bring-up checklist", "", f"Generated {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} from `expectations.yaml` and the latest sweep.", ""]
-    lines += ["| model | target | quant | expected | latest | " + " | ".join(s[0] for s in CHECKLIST_STEPS) + " |", "|---|---|---|---|---|" + "---|" * len(CHECKLIST_STEPS)]
+    lines = ["# Bring-up checklist", "", f"Generated {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} from `expectations.yaml` and the latest sweep."]
+    if meta:
+        lines += ["", f"Sweep `{meta.get('dir', '?')}`: started {meta.get('started', '?')}, {meta.get('rows_done', '?')}/{meta.get('rows_total', '?')} rows, "
+                  f"wall time {meta.get('wall_s', '?')} s with {meta.get('workers', '?')} worker(s), commit `{meta.get('git_commit', '?')}`, run seed {meta.get('run_seed', '?')}."]
+    lines.append("")
+    lines += ["| model | target | quant | expected | latest | " + " | ".join(s[0] for s in CHECKLIST_STEPS) + " | evidence | owner |",
+              "|---|---|---|---|---|" + "---|" * len(CHECKLIST_STEPS) + "---|---|"]
     for row in manifest:
         key = (row["model"], row["target"], row.get("quant", "bf16"))
         r = by.get(key)
         marks = ["[ ]" if r is None else ("[x]" if fn(r) else "[ ] **no**") for _, _, fn in CHECKLIST_STEPS]
         latest = "not run" if r is None else r["outcome"]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row.get('expect', 'PASS')} | {latest} | " + " | ".join(marks) + " |")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row.get('expect', 'PASS')} | {latest} | " + " | ".join(marks)
+                     + f" | {'-' if r is None else _evidence(r)} | {row.get('owner', '-')} |")
     lines += ["", "Steps:", ""] + [f"- **{k}**: {desc}" for k, desc, _ in CHECKLIST_STEPS]
     return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    """``git describe --always --dirty`` of the working directory ("unknown" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def latest_summary(out_root: Path = Path("runs/sweeps")) -> dict:
+    """``summary.json`` of the most recent sweep plus its folder as ``dir`` ({} if none)."""
+    latest = Path(out_root) / "latest"
+    p = latest / "summary.json"
+    if not p.exists():
+        return {}
+    return dict(json.loads(p.read_text()), dir=str(Path(out_root) / latest.resolve().name))
 
 
 def latest_results(out_root: Path = Path("runs/sweeps")) -> list[dict]:

@@ -101,6 +101,14 @@ def test_checklist_marks_steps_from_results():
     line = next(l for l in md.splitlines() if l.startswith("| m | rtl"))
     assert "LINK_FAIL" in line and "[x]" in line and "**no**" in line
     assert "not run" in next(l for l in md.splitlines() if l.startswith("| m | fpga"))
+    # evidence (run report and its date from the folder stamp), owner, and the sweep's commit
+    res[0]["run_dir"] = "runs/sweeps/x/m-rtl-bf16/20261129T181649-m-rtl"
+    man[0]["owner"] = "alice"
+    md = checklist_markdown(man, res, {"dir": "runs/sweeps/x", "git_commit": "abc1234", "workers": 2, "wall_s": 12.5})
+    line = next(l for l in md.splitlines() if l.startswith("| m | rtl"))
+    assert line.endswith("| `runs/sweeps/x/m-rtl-bf16/20261129T181649-m-rtl/report.html` (2026-11-29 18:16 UTC) | alice |")
+    assert next(l for l in md.splitlines() if l.startswith("| m | fpga")).endswith("| - | - |")
+    assert "commit `abc1234`" in md and "wall time 12.5 s with 2 worker(s)" in md
 
 
 # --- per-row tolerance overrides (expectations.yaml `tolerance:`) ---------------------------
@@ -285,3 +293,17 @@ def test_shared_nightly_folder_keeps_a_row_whose_worker_died(tmp_path):
     html = (a / "report.html").read_text()
     assert re.search(r'<td class="crash" id="cell-m-rtl-bf16"', html) and 'id="meta-workers">2<' in html
     assert "INCOMPLETE" in (a / "matrix.md").read_text() and "with 2 worker(s)" in (a / "matrix.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_matrix_times_the_nightly_with_its_worker_count(tmp_path):
+    """`nhil bench --matrix` runs tests/test_matrix.py under pytest-xdist and reads the run's own summary."""
+    from nhil.bench import bench_matrix
+
+    m = bench_matrix(workers=(1,), rows="llama-tiny-sim-bf16", sweep_root=tmp_path)
+    (r,) = m["runs"]
+    assert r["returncode"] == 0 and r["workers"] == 1 and r["rows_done"] == r["rows_total"] == 1 and r["outcomes"] == {"PASS": 1}
+    summary = json.loads((tmp_path / "latest" / "summary.json").read_text())
+    assert summary["workers"] == 1 and summary["kind"] == "nightly" and r["wall_s"] == summary["wall_s"]
+    assert 0 < r["wall_s"] < r["process_s"]  # the pytest process also starts up and collects
+    assert "speedup" not in m  # one worker count: nothing to compare

@@ -326,7 +326,8 @@ def render_sweep_html(results: list[dict[str, Any]], meta: dict[str, Any] | None
             ``expected``, ``as_expected``, ``seed``, ``wall_s`` (s), ``error``,
             ``reproducer``, ``run_dir`` (any may be missing).
         meta: run summary: ``started``, ``finished`` (ISO UTC), ``wall_s`` (first row start
-            to last row end, s), ``workers``, ``rows_done``, ``rows_total``, ``run_seed``.
+            to last row end, s), ``workers``, ``rows_done``, ``rows_total``, ``run_seed``,
+            ``git_commit``.
         folder: where the HTML file goes; cells link to ``<run_dir>/report.html`` relative
             to it when that file exists.
         title: page heading.
@@ -368,7 +369,7 @@ def render_sweep_html(results: list[dict[str, Any]], meta: dict[str, Any] | None
         "cells": cells,
         "cls": outcome_class,
         "summary_keys": [("started", "started (UTC)"), ("finished", "last row finished (UTC)"), ("wall_s", "wall time (s, first row start to last row end)"),
-                         ("workers", "workers"), ("rows_done", "rows done"), ("rows_total", "rows total"), ("run_seed", "run seed")],
+                         ("workers", "workers"), ("rows_done", "rows done"), ("rows_total", "rows total"), ("run_seed", "run seed"), ("git_commit", "git commit")],
     }
     return _env().get_template("sweep").render(**ctx)
 
