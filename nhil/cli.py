@@ -200,6 +200,7 @@ def sweep_cmd(
                             rows.append({"model": m.strip(), "target": t.strip(), "quant": q.strip(), "expect": "PASS"})
         out, results = sweep(rows, seed, timeout_s=timeout)
         typer.echo((out / "matrix.md").read_text())
+        typer.echo(f"report: {out / 'report.html'}")
         if update_manifest:
             expectations.update(results)
             typer.echo("expectations.yaml updated")

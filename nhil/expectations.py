@@ -17,7 +17,8 @@ Format (YAML, loaded with ``yaml.safe_load``)::
 ``expect`` is an outcome (PASS, MISMATCH, COMPILE_FAIL, ...). A run whose expectation
 is a failure but which passes is **XPASS** and counts as a failure (update the
 manifest: ``nhil sweep --update-manifest``). Entries without an expectation are PASS by
-default. ``nightly: true`` rows run only in ``make nightly``.
+default. ``nightly: true`` rows run only in ``make nightly``. ``owner`` (optional) names
+who answers for the row in the bring-up checklist (``nhil checklist``).
 
 ``tolerance`` overrides single thresholds of the row's tolerance profile
 (:mod:`nhil.golden.tolerances`): keys ``<kind>.<metric>`` (``logits.sqnr_db``,
