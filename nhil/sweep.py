@@ -310,7 +310,8 @@ def checklist_markdown(manifest: list[dict], results: list[dict], meta: dict | N
     for row in manifest:
         key = (row["model"], row["target"], row.get("quant", "bf16"))
         r = by.get(key)
-        marks = ["[ ]" if r is None else ("[x]" if fn(r) else "[ ] **no**") for _, _, fn in CHECKLIST_STEPS]
+        pending = r is None or r.get("outcome") == "INCOMPLETE"  # not run, still running, or its worker died: no evidence either way
+        marks = ["[ ]" if pending else ("[x]" if fn(r) else "[ ] **no**") for _, _, fn in CHECKLIST_STEPS]
         latest = "not run" if r is None else r["outcome"]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row.get('expect', 'PASS')} | {latest} | " + " | ".join(marks)
                      + f" | {'-' if r is None else _evidence(r)} | {row.get('owner', '-')} |")

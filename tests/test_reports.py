@@ -109,6 +109,10 @@ def test_checklist_marks_steps_from_results():
     assert line.endswith("| `runs/sweeps/x/m-rtl-bf16/20261129T181649-m-rtl/report.html` (2026-11-29 18:16 UTC) | alice |")
     assert next(l for l in md.splitlines() if l.startswith("| m | fpga")).endswith("| - | - |")
     assert "commit `abc1234`" in md and "wall time 12.5 s with 2 worker(s)" in md
+    # a row still running (or whose worker died) is INCOMPLETE with no step ticked or refused
+    md = checklist_markdown(man, [_rep("INCOMPLETE", target="rtl")])
+    line = next(l for l in md.splitlines() if l.startswith("| m | rtl"))
+    assert "INCOMPLETE" in line and "[x]" not in line and "**no**" not in line
 
 
 # --- per-row tolerance overrides (expectations.yaml `tolerance:`) ---------------------------
