@@ -311,3 +311,21 @@ def test_bench_matrix_times_the_nightly_with_its_worker_count(tmp_path):
     assert summary["workers"] == 1 and summary["kind"] == "nightly" and r["wall_s"] == summary["wall_s"]
     assert 0 < r["wall_s"] < r["process_s"]  # the pytest process also starts up and collects
     assert "speedup" not in m  # one worker count: nothing to compare
+
+
+def test_verify_html_shows_instruction_divergence_and_link_counters_and_escapes_text():
+    from nhil.report.html import render_verify_html
+
+    rep = _rep("MISMATCH", target="fpga", prompt="<script>alert(1)</script>", error="fpga differs from the simulator at instruction 17",
+               cross_target_first_mismatch={"instruction": 17, "disasm": "MAC_AB b3 r12", "bank": 3, "target_value": 1.5, "sim_value": 1.25},
+               target_stats={"link": {"retries": 2, "crc_errors": 1}, "lockstep": {"syncs_compared": 4, "readbacks_compared": 9, "first_mismatch": None}})
+    html = render_verify_html(rep)
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    row = re.search(r"<th>instruction \(vs simulator\)</th><td>(.*?)</td></tr>", html).group(1)
+    assert "instruction = <code>17</code>" in row and "disasm = <code>MAC_AB b3 r12</code>" in row and "sim_value = <code>1.25</code>" in row
+    assert "<tr><td>link.retries</td><td>2</td></tr>" in html and "<tr><td>link.crc_errors</td><td>1</td></tr>" in html
+    assert f'<pre id="reproducer">{rep["reproducer"]}</pre>' in html and 'class="badge fail" id="outcome">MISMATCH<' in html
+    # no divergence on a lockstep run: the compared counts are shown instead
+    del rep["cross_target_first_mismatch"]
+    row = re.search(r"<th>instruction \(vs simulator\)</th><td>(.*?)</td></tr>", render_verify_html(rep)).group(1)
+    assert row == "none: 4 SYNCs / 9 readbacks bit-identical"
