@@ -203,6 +203,7 @@ def sweep_cmd(
                             rows.append({"model": m.strip(), "target": t.strip(), "quant": q.strip(), "expect": "PASS"})
         out, results = sweep(rows, seed, timeout_s=timeout)
         typer.echo((out / "matrix.md").read_text())
+        typer.echo(f"report: {out / 'report.html'}")
         if update_manifest:
             expectations.update(results)
             typer.echo("expectations.yaml updated")
@@ -216,9 +217,9 @@ def sweep_cmd(
 def checklist(output: Optional[Path] = typer.Option(None, "-o")) -> None:
     """Render the silicon bring-up checklist from expectations.yaml and the latest sweep."""
     from nhil import expectations
-    from nhil.sweep import checklist_markdown, latest_results
+    from nhil.sweep import checklist_markdown, latest_results, latest_summary
 
-    text = checklist_markdown(expectations.load(), latest_results())
+    text = checklist_markdown(expectations.load(), latest_results(), latest_summary())
     if output:
         from nhil.util import atomic_write_text
 
@@ -248,12 +249,16 @@ def targets() -> None:
 @app.command()
 def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: int = typer.Option(8), output: Path = typer.Option(Path("runs/bench.json")),
           configs: str = typer.Option("llama3-8b,mixtral-8x7b,qwen3-30b-a3b", "--configs", help="shape-only configs timed on the device model"),
-          gpu_gbs: float = typer.Option(3350.0, "--gpu-gbs", help="GPU HBM bandwidth of the roofline baseline, GB/s")) -> None:
+          gpu_gbs: float = typer.Option(3350.0, "--gpu-gbs", help="GPU HBM bandwidth of the roofline baseline, GB/s"),
+          matrix: bool = typer.Option(False, "--matrix", help="also time the nightly matrix with 1 and 2 pytest-xdist workers (minutes)"),
+          matrix_rows: str = typer.Option("default", "--matrix-rows", help="NHIL_MATRIX_ROWS: default (non-nightly rows), all, or row ids"),
+          matrix_workers: str = typer.Option("1,2", "--matrix-workers", help="worker counts to time, in order")) -> None:
     """Benchmark table: wall time vs export/eager, modelled tokens/s and bandwidth vs peak and rooflines."""
     try:
         from nhil.bench import run_bench
 
-        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()])
+        mx = {"rows": matrix_rows, "workers": tuple(int(w) for w in matrix_workers.split(",") if w.strip())} if matrix else None
+        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()], matrix=mx)
     except NhilError as e:
         _fail(e)
 

@@ -6,11 +6,28 @@ Format (YAML, loaded with ``yaml.safe_load``)::
     expectations:
       - {model: llama, target: sim, quant: bf16, expect: PASS, reason: "main job"}
       - {model: llama, target: rtl, quant: bf16, expect: PASS, nightly: true, reason: "..."}
+      - model: llama
+        target: sim
+        quant: bf16
+        expect: PASS
+        reason: "..."
+        tolerance:                      # per-row threshold overrides (optional)
+          logits.sqnr_db: {min: 20, reason: "why this row may be looser/stricter"}
 
 ``expect`` is an outcome (PASS, MISMATCH, COMPILE_FAIL, ...). A run whose expectation
 is a failure but which passes is **XPASS** and counts as a failure (update the
 manifest: ``nhil sweep --update-manifest``). Entries without an expectation are PASS by
-default. ``nightly: true`` rows run only in ``make nightly``.
+default. ``nightly: true`` rows run only in ``make nightly``. ``owner`` (optional) names
+who answers for the row in the bring-up checklist (``nhil checklist``).
+
+``tolerance`` overrides single thresholds of the row's tolerance profile
+(:mod:`nhil.golden.tolerances`): keys ``<kind>.<metric>`` (``logits.sqnr_db``,
+``hidden.cosine``, ``run.top1_rate``, ...), each with the profile's bound (``min`` or
+``max``), a required ``reason`` and optionally ``asserted``. ``nhil verify`` applies them
+and the report shows each override beside the profile value it replaced; an override
+without a reason or naming an unknown kind/metric is refused when the manifest is loaded
+(:class:`~nhil.errors.SetupError` naming the entry and the fix). ``--update-manifest``
+keeps overrides, reasons and the file's leading comment.
 """
 
 from __future__ import annotations
@@ -27,7 +44,8 @@ def load(path: Path = DEFAULT_PATH) -> list[dict]:
     """Entries of the manifest ([] if the file does not exist).
 
     Raises:
-        SetupError: not valid YAML, or an entry without model/target.
+        SetupError: not valid YAML, an entry without model/target, or an invalid
+            ``tolerance`` override (no reason, unknown kind/metric, bad bound).
     """
     import yaml
 
@@ -43,6 +61,13 @@ def load(path: Path = DEFAULT_PATH) -> list[dict]:
             raise SetupError(f"{path}: entry {i} needs at least model and target: {r!r}")
         r.setdefault("quant", "bf16")
         r.setdefault("expect", "PASS")
+        if "tolerance" in r:
+            from nhil.golden.tolerances import validate_overrides
+
+            try:
+                validate_overrides(r["tolerance"], where=f"{path}: entry {i} ({r['model']}/{r['target']}/{r['quant']})")
+            except ValueError as e:
+                raise SetupError(str(e)) from None
     return rows
 
 
@@ -54,10 +79,29 @@ def lookup(model: str, target: str, quant: str = "bf16", path: Path = DEFAULT_PA
     return None
 
 
+def quant_of(report: dict) -> str:
+    """The quant recipe of a report (``report['quant']`` is a string in sweep rows and a
+    ``{"recipe": ...}`` dict in verify reports; absent means bf16)."""
+    q = report.get("quant", "bf16")
+    if isinstance(q, dict):
+        q = q.get("recipe", "bf16")
+    return str(q or "bf16")
+
+
+def tolerance_overrides(model: str, target: str, quant: str = "bf16", path: Path = DEFAULT_PATH) -> dict:
+    """The ``tolerance`` overrides of this combination's manifest entry ({} if none).
+
+    Raises:
+        SetupError: the manifest is invalid (see :func:`load`).
+    """
+    e = lookup(model, target, quant, path)
+    return dict(e.get("tolerance") or {}) if e else {}
+
+
 def apply_expectation(report: dict, path: Path = DEFAULT_PATH) -> None:
     """Set ``report['expected']``/``['as_expected']``; turn an unexpected PASS into XPASS."""
     try:
-        e = lookup(report.get("model"), report.get("target"), report.get("quant", "bf16"), path)
+        e = lookup(report.get("model"), report.get("target"), quant_of(report), path)
     except SetupError as err:
         report["expectation_error"] = str(err)
         return
@@ -72,19 +116,30 @@ def apply_expectation(report: dict, path: Path = DEFAULT_PATH) -> None:
 
 
 def update(results: list[dict], path: Path = DEFAULT_PATH) -> None:
-    """Rewrite the manifest so each result's combination expects the outcome it just had (atomic)."""
+    """Rewrite the manifest so each result's combination expects the outcome it just had (atomic).
+
+    Every other field of an existing entry (reason, nightly, tokens, device, tolerance
+    overrides) is kept, and so is the file's leading comment block.
+    """
     import yaml
 
     from nhil.util import atomic_write_text
 
     rows = load(path)
+    header = ""
+    if Path(path).exists():
+        lines = Path(path).read_text().splitlines(keepends=True)
+        for line in lines:
+            if not line.lstrip().startswith("#"):
+                break
+            header += line
     index = {(r["model"], r["target"], r["quant"]): r for r in rows}
     for res in results:
-        key = (res["model"], res["target"], res.get("quant", "bf16"))
+        key = (res["model"], res["target"], quant_of(res))
         out = res["outcome"] if res["outcome"] != "XPASS" else "PASS"
         if key in index:
             index[key]["expect"] = out
         else:
             index[key] = {"model": key[0], "target": key[1], "quant": key[2], "expect": out, "reason": "recorded by --update-manifest"}
             rows.append(index[key])
-    atomic_write_text(path, yaml.safe_dump({"schema": 1, "expectations": rows}, sort_keys=False))
+    atomic_write_text(path, header + yaml.safe_dump({"schema": 1, "expectations": rows}, sort_keys=False, width=1000))

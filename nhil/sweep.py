@@ -4,7 +4,15 @@ Each combination runs ``nhil verify`` in its own process with a timeout, so a cr
 a hang costs one row, not the sweep: a run that exceeds the timeout is TIMEOUT, one that
 dies without a final report is CRASH (or its last stage's INCOMPLETE report). Rows are
 appended to ``results.jsonl`` (flushed and fsynced) as soon as each is known, and the
-matrix (``matrix.md``) and ``junit.xml`` are rewritten atomically after every row.
+aggregated reports (``matrix.md``, ``junit.xml``, the self-contained ``report.html`` with
+the colour-coded models x targets x quant matrix, and ``summary.json`` with the wall
+time and worker count) are rewritten atomically after every row.
+
+``nhil sweep`` runs rows one after another (:func:`sweep`); ``make nightly`` runs them
+as pytest-xdist cases (``tests/test_matrix.py``) that share one folder
+(:func:`shared_sweep_dir`) and log each row under a file lock (:func:`record_row`).
+Both write to ``runs/sweeps/<stamp>[-nightly-<id>]/`` and point ``runs/sweeps/latest`` at
+it, which ``nhil checklist`` reads.
 
 Seeds: a row's seed is ``crc32("model/target/quant") XOR run_seed`` (masked to 31 bits)
 so each combination is reproducible on its own and the run seed varies all of them.
@@ -27,6 +35,24 @@ from nhil.expectations import apply_expectation
 def row_seed(model: str, target: str, quant: str, run_seed: int) -> int:
     """Per-row seed (see the module docstring)."""
     return (zlib.crc32(f"{model}/{target}/{quant}".encode()) ^ int(run_seed)) & 0x7FFFFFFF
+
+
+def reproducer(row: dict, run_seed: int) -> str:
+    """The one-line ``make verify`` command that reruns this row alone (with its seed)."""
+    model, target, quant = row["model"], row["target"], row.get("quant", "bf16")
+    seed = row_seed(model, target, quant, run_seed)
+    cmd = f"make verify MODEL={model} TARGET={target} TOKENS={int(row.get('tokens', 16))} SEED={seed}"
+    if row.get("device"):
+        cmd += f" DEVICE={row['device']}"
+    return cmd + (f" QUANT={quant}" if quant != "bf16" else "")
+
+
+def pending_row(row: dict, run_seed: int) -> dict:
+    """The INCOMPLETE record a shared sweep logs when a row starts (replaced when it ends)."""
+    quant = row.get("quant", "bf16")
+    return {"model": row["model"], "target": row["target"], "quant": quant, "seed": row_seed(row["model"], row["target"], quant, run_seed),
+            "outcome": "INCOMPLETE", "expected": row.get("expect", "PASS"), "as_expected": False, "reproducer": reproducer(row, run_seed),
+            "error": f"row started {_now().isoformat(timespec='seconds')} (pid {os.getpid()}) and has not finished: still running, or its worker died"}
 
 
 def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable) -> dict:
@@ -60,18 +86,26 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     rep.setdefault("target", target)
     rep["quant"] = quant
     rep["seed"] = seed
-    rep.setdefault("reproducer", f"make verify MODEL={model} TARGET={target} TOKENS={tokens} SEED={seed}" + (f" QUANT={quant}" if quant != "bf16" else ""))
+    rep.setdefault("reproducer", reproducer(row, run_seed))
     rep["wall_s"] = round(time.perf_counter() - t0, 2)
     apply_expectation(rep)
     return rep
 
 
-def matrix_markdown(results: list[dict]) -> str:
-    """Markdown matrix: rows = model/quant, columns = targets, cells = outcome (✓ as expected)."""
+def matrix_markdown(results: list[dict], meta: dict | None = None) -> str:
+    """Markdown matrix: rows = model/quant, columns = targets, cells = outcome (✓ as expected).
+
+    ``meta`` (see :func:`render_sweep_html`): when given, a first line with the wall time,
+    worker count and rows done/total."""
+    lines = []
+    if meta:
+        lines += [f"wall time {meta.get('wall_s', '?')} s (first row start to last row end) with {meta.get('workers', '?')} worker(s); "
+                  f"{meta.get('rows_done', len(results))}/{meta.get('rows_total', '?')} rows; run seed {meta.get('run_seed', '?')}; started {meta.get('started', '?')}; "
+                  f"commit {meta.get('git_commit', '?')}", ""]
     targets = sorted({r["target"] for r in results})
-    keys = sorted({(r["model"], r.get("quant", "bf16")) for r in results})
-    cell = {(r["model"], r.get("quant", "bf16"), r["target"]): r for r in results}
-    lines = ["| model | quant | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
+    keys = sorted({(r["model"], r.get("quant") or "bf16") for r in results})
+    cell = {(r["model"], r.get("quant") or "bf16", r["target"]): r for r in results}
+    lines += ["| model | quant | " + " | ".join(targets) + " |", "|---|---|" + "---|" * len(targets)]
     for m, q in keys:
         cells = []
         for t in targets:
@@ -89,34 +123,150 @@ def matrix_markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sweep(rows: list[dict], run_seed: int = 0, out_root: Path = Path("runs/sweeps"), timeout_s: float = 3600) -> tuple[Path, list[dict]]:
-    """Run every row in order; returns the sweep folder and the results (see the module docstring)."""
+LOG_FIELDS = ("model", "target", "quant", "seed", "outcome", "expected", "as_expected", "error", "reproducer", "wall_s", "run_dir", "stage")
+
+
+def _now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def _iso(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_log(out: Path) -> list[dict]:
+    """Rows of ``<out>/results.jsonl``, the last record per model/target/quant winning (a
+    row is logged INCOMPLETE when it starts and again when it ends), in first-seen order."""
+    path = Path(out) / "results.jsonl"
+    if not path.exists():
+        return []
+    rows: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a half-written last line of a killed writer
+            continue
+        rows[(r.get("model"), r.get("target"), r.get("quant") or "bf16")] = r
+    return list(rows.values())
+
+
+def write_aggregate(out: Path, results: list[dict], meta: dict, title: str = "nhil sweep") -> None:
+    """Rewrite the aggregated reports of a sweep folder from ``results`` (dicts with
+    :data:`LOG_FIELDS`) and ``meta``: ``matrix.md``, ``junit.xml``, ``report.html`` (self-
+    contained, :mod:`nhil.report.html`) and ``summary.json`` (``meta`` plus per-outcome
+    counts), each atomically."""
+    from nhil.report.html import write_sweep_html
     from nhil.report.junit import write_junit
     from nhil.util import atomic_write_text
 
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    out = Path(out)
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
+    summary = dict(meta, outcomes=counts, as_expected=sum(1 for r in results if r.get("as_expected")))
+    atomic_write_text(out / "matrix.md", matrix_markdown(results, meta))
+    write_junit(out / "junit.xml", results, suite="nhil-sweep")
+    write_sweep_html(out / "report.html", results, meta, title=title)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _append(log_path: Path, rep: dict) -> None:
+    with open(log_path, "a") as log:
+        log.write(json.dumps({k: rep.get(k) for k in LOG_FIELDS}, default=str) + "\n")
+        log.flush()
+        os.fsync(log.fileno())
+
+
+def _point_latest(out: Path) -> None:
+    latest = out.parent / "latest"
+    try:
+        tmp = out.parent / f".latest.{os.getpid()}"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        tmp.symlink_to(out.name)
+        os.replace(tmp, latest)  # atomic: readers see the old or the new link
+    except OSError:
+        pass
+
+
+def sweep(rows: list[dict], run_seed: int = 0, out_root: Path = Path("runs/sweeps"), timeout_s: float = 3600) -> tuple[Path, list[dict]]:
+    """Run every row in order; returns the sweep folder and the results (see the module docstring)."""
+    stamp = _now().strftime("%Y%m%dT%H%M%S")
     out = Path(out_root) / stamp
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
-    with open(out / "results.jsonl", "a") as log:
-        for i, row in enumerate(rows, 1):
-            print(f"[sweep] {i}/{len(rows)} {row['model']} x {row['target']} x {row.get('quant', 'bf16')} ...", file=sys.stderr, flush=True)
-            rep = run_one(row, run_seed, out, timeout_s)
-            results.append(rep)
-            log.write(json.dumps({k: rep.get(k) for k in ("model", "target", "quant", "seed", "outcome", "expected", "as_expected", "error", "reproducer", "wall_s", "run_dir")}) + "\n")
-            log.flush()
-            os.fsync(log.fileno())
-            atomic_write_text(out / "matrix.md", matrix_markdown(results))
-            write_junit(out / "junit.xml", results, suite="nhil-sweep")
-            print(f"[sweep]   -> {rep['outcome']} ({rep.get('wall_s')} s)", file=sys.stderr, flush=True)
-    latest = Path(out_root) / "latest"
-    try:
-        if latest.is_symlink() or latest.exists():
-            latest.unlink()
-        latest.symlink_to(out.name)
-    except OSError:
-        pass
+    t0 = time.time()
+    meta = {"kind": "sweep", "started": _iso(t0), "workers": 1, "rows_total": len(rows), "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0, "git_commit": git_commit()}
+    _point_latest(out)
+    for i, row in enumerate(rows, 1):
+        print(f"[sweep] {i}/{len(rows)} {row['model']} x {row['target']} x {row.get('quant', 'bf16')} ...", file=sys.stderr, flush=True)
+        rep = run_one(row, run_seed, out, timeout_s)
+        results.append(rep)
+        _append(out / "results.jsonl", rep)
+        t1 = time.time()
+        meta.update(rows_done=i, finished=_iso(t1), wall_s=round(t1 - t0, 2))
+        write_aggregate(out, read_log(out), meta)
+        print(f"[sweep]   -> {rep['outcome']} ({rep.get('wall_s')} s)", file=sys.stderr, flush=True)
     return out, results
+
+
+def shared_sweep_dir(out_root: Path, run_id: str, rows_total: int, workers: int, run_seed: int = 0, kind: str = "nightly") -> Path:
+    """The sweep folder shared by every worker of one pytest-xdist run (``make nightly``).
+
+    The first worker to ask creates ``<out_root>/<UTC stamp>-<kind>-<run_id[:8]>`` with a
+    ``summary.json`` (start time, ``workers``, ``rows_total``, ``run_seed``); the others
+    find it by ``run_id`` (xdist's ``PYTEST_XDIST_TESTRUNUID``, the same in every worker).
+    Serialised with a file lock (``filelock``) in ``out_root``; ``out_root/latest`` points
+    to the folder.
+    """
+    from filelock import FileLock
+
+    from nhil.util import atomic_write_text
+
+    root = Path(out_root)
+    root.mkdir(parents=True, exist_ok=True)
+    tag = "".join(c for c in str(run_id) if c.isalnum())[:8] or "local"
+    with FileLock(str(root / ".sweeps.lock")):
+        found = sorted(root.glob(f"*-{kind}-{tag}"))
+        if found:
+            return found[-1]
+        t0 = time.time()
+        out = root / f"{_now().strftime('%Y%m%dT%H%M%S')}-{kind}-{tag}"
+        out.mkdir()
+        meta = {"kind": kind, "run_id": str(run_id), "started": _iso(t0), "started_epoch": t0, "workers": int(workers), "rows_total": int(rows_total),
+                "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0, "git_commit": git_commit()}
+        atomic_write_text(out / "summary.json", json.dumps(meta, indent=2) + "\n")
+        _point_latest(out)
+        return out
+
+
+def record_row(out: Path, rep: dict, title: str = "nhil nightly") -> dict:
+    """Log one row of a shared sweep (several processes) and rewrite its aggregated reports.
+
+    Appends ``rep`` (its :data:`LOG_FIELDS`) to ``results.jsonl`` and rewrites the reports of
+    :func:`write_aggregate` under a file lock in ``out``. Log a row as ``INCOMPLETE`` when it
+    starts and again with its outcome when it ends, so a worker killed mid-row still leaves
+    its row. ``wall_s`` in ``summary.json`` is the time from the folder's creation (the
+    first row's start) to the latest finished row. Returns the updated summary.
+    """
+    from filelock import FileLock
+
+    out = Path(out)
+    with FileLock(str(out / ".lock")):
+        _append(out / "results.jsonl", rep)
+        meta = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {"started_epoch": time.time()}
+        for k in ("outcomes", "as_expected"):
+            meta.pop(k, None)
+        results = read_log(out)
+        done = [r for r in results if r.get("outcome") != "INCOMPLETE"]
+        if rep.get("outcome") != "INCOMPLETE":
+            t1 = time.time()
+            meta.update(finished=_iso(t1), wall_s=round(t1 - float(meta.get("started_epoch", t1)), 2))
+        meta["rows_done"] = len(done)
+        write_aggregate(out, results, meta, title=title)
+        return meta
 
 
 CHECKLIST_STEPS = [
@@ -129,27 +279,66 @@ CHECKLIST_STEPS = [
 ]
 
 
-def checklist_markdown(manifest: list[dict], results: list[dict]) -> str:
-    """Silicon bring-up checklist: per manifest row, each bring-up step checked from the latest result."""
+def _evidence(r: dict) -> str:
+    """Run folder and its UTC date (from the folder's ``<YYYYmmddTHHMMSS>-`` prefix) of a result."""
+    rd = r.get("run_dir")
+    if not rd:
+        return "-"
+    name = Path(rd).name
+    try:
+        when = _dt.datetime.strptime(name[:15], "%Y%m%dT%H%M%S").strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        when = "?"
+    return f"`{rd}/report.html` ({when} UTC)"
+
+
+def checklist_markdown(manifest: list[dict], results: list[dict], meta: dict | None = None) -> str:
+    """Silicon bring-up checklist: per manifest row, each bring-up step checked from the latest result.
+
+    Columns: the row, its expected and latest outcome, one mark per :data:`CHECKLIST_STEPS`
+    step, the evidence (the run's report and date) and the row's ``owner`` (manifest field,
+    ``-`` if unset). ``meta`` is the sweep's ``summary.json`` (folder, start, wall time,
+    workers, git commit) shown in the header."""
     by = {(r["model"], r["target"], r.get("quant", "bf16")): r for r in results}
-    lines = ["# Bring-up checklist", "", f"Generated {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} from `expectations.yaml` and the latest sweep.", ""]
-    lines += ["| model | target | quant | expected | latest | " + " | ".join(s[0] for s in CHECKLIST_STEPS) + " |", "|---|---|---|---|---|" + "---|" * len(CHECKLIST_STEPS)]
+    lines = ["# Bring-up checklist", "", f"Generated {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} from `expectations.yaml` and the latest sweep."]
+    if meta:
+        lines += ["", f"Sweep `{meta.get('dir', '?')}`: started {meta.get('started', '?')}, {meta.get('rows_done', '?')}/{meta.get('rows_total', '?')} rows, "
+                  f"wall time {meta.get('wall_s', '?')} s with {meta.get('workers', '?')} worker(s), commit `{meta.get('git_commit', '?')}`, run seed {meta.get('run_seed', '?')}."]
+    lines.append("")
+    lines += ["| model | target | quant | expected | latest | " + " | ".join(s[0] for s in CHECKLIST_STEPS) + " | evidence | owner |",
+              "|---|---|---|---|---|" + "---|" * len(CHECKLIST_STEPS) + "---|---|"]
     for row in manifest:
         key = (row["model"], row["target"], row.get("quant", "bf16"))
         r = by.get(key)
-        marks = ["[ ]" if r is None else ("[x]" if fn(r) else "[ ] **no**") for _, _, fn in CHECKLIST_STEPS]
+        pending = r is None or r.get("outcome") == "INCOMPLETE"  # not run, still running, or its worker died: no evidence either way
+        marks = ["[ ]" if pending else ("[x]" if fn(r) else "[ ] **no**") for _, _, fn in CHECKLIST_STEPS]
         latest = "not run" if r is None else r["outcome"]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row.get('expect', 'PASS')} | {latest} | " + " | ".join(marks) + " |")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row.get('expect', 'PASS')} | {latest} | " + " | ".join(marks)
+                     + f" | {'-' if r is None else _evidence(r)} | {row.get('owner', '-')} |")
     lines += ["", "Steps:", ""] + [f"- **{k}**: {desc}" for k, desc, _ in CHECKLIST_STEPS]
     return "\n".join(lines) + "\n"
 
 
+def git_commit() -> str:
+    """``git describe --always --dirty`` of the working directory ("unknown" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def latest_summary(out_root: Path = Path("runs/sweeps")) -> dict:
+    """``summary.json`` of the most recent sweep plus its folder as ``dir`` ({} if none)."""
+    latest = Path(out_root) / "latest"
+    p = latest / "summary.json"
+    if not p.exists():
+        return {}
+    return dict(json.loads(p.read_text()), dir=str(Path(out_root) / latest.resolve().name))
+
+
 def latest_results(out_root: Path = Path("runs/sweeps")) -> list[dict]:
     """Rows of the most recent sweep's results.jsonl ([] if none)."""
-    latest = Path(out_root) / "latest" / "results.jsonl"
-    if not latest.exists():
-        return []
-    rows = [json.loads(line) for line in latest.read_text().splitlines() if line.strip()]
+    rows = read_log(Path(out_root) / "latest")
     out = []
     for r in rows:
         rep = r

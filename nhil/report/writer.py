@@ -11,7 +11,11 @@ A verify report is a dict (JSON-safe after :func:`write_json`) with keys:
 * ``first_divergent_layer``: layer name/index or ``None``;
 * ``timings``: stage -> seconds;
 * ``thresholds``: the tolerance table used, e.g. a profile of
-  ``nhil.golden.tolerances.PROFILES`` (kind -> metric -> {min|max, asserted, reason}).
+  ``nhil.golden.tolerances.PROFILES`` (kind -> metric -> {min|max, asserted, reason}),
+  with the manifest row's overrides applied (an overridden threshold has an
+  ``override`` dict holding the profile value it replaced);
+* ``tolerance_overrides``: per override ``{metric, bound, value, asserted, reason,
+  profile, profile_value, profile_asserted, profile_reason}``.
 
 Any key may be missing; the renderer shows what is there. Numbers may be floats or the
 ``"inf"``/``"nan"`` strings of :func:`nhil.golden.metrics.json_safe`.
@@ -114,6 +118,9 @@ def _threshold_rows(th: dict[str, Any], prefix: str = "") -> list[list[str]]:
             continue
         if "reason" in v and ("min" in v or "max" in v):
             bound = f">= {_num(v['min'])}" if "min" in v else f"<= {_num(v['max'])}"
+            ov = v.get("override")
+            if isinstance(ov, dict):
+                bound += f" (override; profile {'>=' if ov.get('profile_bound') == 'min' else '<='} {_num(ov.get('profile_value'))})"
             rows.append([_cell(prefix + k), bound, "asserted" if v.get("asserted", True) else "observe-only", _cell(v["reason"])])
         else:
             rows += _threshold_rows(v, prefix + k + ".")
@@ -209,6 +216,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += _table(["field", "value"], [[_cell(k), _cell(v)] for k, v in ftd.items()])
         out.append("")
 
+    ovs = report.get("tolerance_overrides") or []
+    if ovs:
+        out += ["## Tolerance overrides (expectations manifest)", ""]
+        out += _table(
+            ["metric", "override", "reason", "profile value replaced", "profile reason"],
+            [[_cell(o.get("metric")), f"{'>=' if o.get('bound') == 'min' else '<='} {_num(o.get('value'))}" + ("" if o.get("asserted", True) else " (observe-only)"),
+              _cell(o.get("reason", "")), f"{'>=' if o.get('bound') == 'min' else '<='} {_num(o.get('profile_value'))} in {_cell(o.get('profile', '?'))}", _cell(o.get("profile_reason", ""))]
+             for o in ovs],
+        )
+        out.append("")
     th = report.get("thresholds") or {}
     if th:
         out += ["## Thresholds", ""]
