@@ -45,7 +45,7 @@ DIRECT_MAX = 64  # requests with a larger payload travel as fragmented messages
 MIN_FRAGMENT = 16  # smallest fragment data budget (bytes)
 GROW, SHRINK = 1.5, 0.8  # budget x GROW after a good exchange, x SHRINK**k after the k-th failure in a row
 MIN_RTO = 0.02  # seconds: floor of the adaptive reply timeout
-WINDOW = 16  # fragments (or FETCHes) sent back to back before waiting (section 5 "bursts")
+WINDOW = 16  # fragments (or FETCHes) sent back to back before waiting (section 6 "bursts")
 _END_B = bytes([END])
 
 
@@ -340,7 +340,7 @@ class FpgaTarget(Target):
 
     def _copies(self) -> int:
         """Copies of each frame sent back to back: 1 on a clean line, 2-3 when the budget shows a noisy one."""
-        return 1 if self.budget >= 1024 else (2 if self.budget >= 256 else 3)
+        return 1 if self.budget >= 1024 else (2 if self.budget >= 256 else (3 if self.budget >= 64 else 4))
 
     def _split_reply(self, reply_size: int) -> bool:
         """Ask for REPLY_HEAD + FETCH when the reply would not fit the budget, or the line is noisy."""

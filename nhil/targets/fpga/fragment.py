@@ -1,4 +1,4 @@
-"""Message fragmentation of link protocol v2 (``docs/link-protocol.md`` section 5).
+"""Message fragmentation of link protocol v2 (``docs/link-protocol.md`` section 6).
 
 A request too large for one frame on a noisy line travels as a *message*: MSG_BEGIN
 (inner type, total length, CRC-32 of the whole, first bytes), then MSG_DATA (bytes at an

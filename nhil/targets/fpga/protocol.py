@@ -121,7 +121,7 @@ def unpack_hello_reply(p: bytes) -> tuple[int, int, int, int, int]:
     return _HELLO_R.unpack(p)
 
 
-# ----------------------------------------------------------------- fragmentation (section 5)
+# ----------------------------------------------------------------- fragmentation (section 6)
 _BEGIN = struct.Struct("<BxxxII")  # inner type, reserved, total bytes, crc32 of the whole
 _OFF = struct.Struct("<I")  # MSG_DATA / REPLY_DATA offset
 _ZERO = struct.Struct("<II")  # MSG_ZERO offset, count
