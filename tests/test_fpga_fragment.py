@@ -7,6 +7,8 @@ is compared with the functional simulator (lockstep, bit for bit) and the PyTorc
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -236,3 +238,34 @@ def test_goodput_benchmark_delivers_bit_exact_rows_through_byte_faults():
     r = goodput_benchmark(64 << 10)
     assert r["verified"] and r["nbytes"] == 64 << 10  # one fpga-small row image, read back and compared
     assert r["link_kBps"] > 0 and r["retries"] > 0 and r["crc_errors"] > 0 and r["fragment_budget_min"] < 256
+
+
+def test_a_line_that_goes_bad_mid_run_ends_in_link_fail_with_a_clear_message():
+    """Board in-process on a pty; after the session is up its line starts corrupting half the bytes:
+    the bounded retries run out and the target raises LinkError (LINK_FAIL), naming the request."""
+    import threading
+
+    from nhil.errors import LinkError
+    from nhil.targets.fpga import FpgaTarget
+    from nhil.targets.fpga.emulator import open_pty, serve_fd
+    from nhil.targets.fpga.faults import FaultInjector, FaultSpec
+
+    board = Board(DEV)
+    master, slave, path = open_pty()
+    stop = threading.Event()
+    th = threading.Thread(target=serve_fd, args=(board, master), kwargs={"should_stop": stop.is_set}, daemon=True)
+    th.start()
+    try:
+        with FpgaTarget(port=path, max_retries=3, frame_timeout=0.1) as t:
+            t.write_row(0, 1, 2, np.arange(DEV.cols, dtype=np.uint16))  # clean line: works
+            board.inj = FaultInjector(FaultSpec.parse("byte_flip=0.5,seed=2"))
+            with pytest.raises(LinkError) as e:
+                t.read_row(0, 1, 2)
+            msg = str(e.value)
+            assert e.value.outcome == "LINK_FAIL" and "READ_MEM" in msg and ("attempts" in msg or "bursts" in msg)
+            assert "crc_errors=" in msg or "timeouts=" in msg  # the link counters are in the message
+    finally:
+        stop.set()
+        th.join(5)
+        os.close(master)
+        os.close(slave)

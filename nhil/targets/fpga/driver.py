@@ -492,8 +492,9 @@ class FpgaTarget(Target):
     def _query(self, name: str) -> tuple[int, int]:
         """(received, total) of the board's open message, stop-and-wait."""
         ev = self._exchange(P.MSG_QUERY, lambda _b: b"", 0, f"{name} (MSG_QUERY)")
+        if ev.type == P.ERROR:
+            self._board_error(f"{name} (MSG_QUERY)", ev)
         if ev.type != P.FRAG_ACK:
-            self._board_error(f"{name} (MSG_QUERY)", ev) if ev.type == P.ERROR else None
             raise LinkError(f"protocol violation: MSG_QUERY answered with {P.NAMES.get(ev.type, hex(ev.type))}")
         return P.unpack_frag_ack(ev.payload)
 
