@@ -17,7 +17,7 @@ DEVICE ?=
 REGEN ?=
 QUANT ?=
 JOBS ?= 2
-# FPGA_PORT, FPGA_BAUD, FPGA_FAULTS (e.g. flip=0.01,drop=0.01,dup=0.01,seed=1) and WAVES=1 reach the
+# FPGA_PORT, FPGA_BAUD, FPGA_FAULTS (e.g. byte_flip=0.01,byte_drop=0.002,byte_dup=0.002,seed=1) and WAVES=1 reach the
 # targets as environment variables (make passes command-line variables to the recipe's environment)
 
 VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \

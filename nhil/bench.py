@@ -81,16 +81,12 @@ def _rtl_rows(r: dict) -> list:
 
 
 def _fpga_rows(r: dict) -> list:
-    """Serial-link efficiency and throughput over a pty vs raw pty writes measured in the same call, once."""
+    """Serial-link efficiency, throughput over a pty vs raw pty writes measured in the same call, and goodput under 1% byte faults, once."""
     if r.get("model") != "llama-tiny" or "fpga" not in os.environ.get("NHIL_BENCH_TARGETS", "rtl,fpga"):
         return []
-    from nhil.targets.fpga.bench import link_benchmark
+    from nhil.targets.fpga.bench import bench_rows
 
-    b = link_benchmark(64 << 20)
-    return [
-        ("fpga link: bulk write 64 MiB over a pty", f"{b['link_MBps']:.1f} MB/s", f"{b['link_vs_raw']:.2f}", f"x raw pty write ({b['raw_pty_MBps']:.1f} MB/s)"),
-        ("fpga link: protocol efficiency", f"{b['wire_efficiency']:.4f}", "", "payload bytes / wire bytes"),
-    ]
+    return bench_rows()
 
 
 ROW_PROVIDERS += [_rtl_rows, _fpga_rows]

@@ -123,20 +123,43 @@ def test_oversized_run_is_reported_once_and_decoder_recovers():
     assert [e.reason for e in d.feed(big)] == [BAD_OVERSIZE]
 
 
-@given(st.binary(max_size=400), st.integers(0, 2**32 - 1))
-def test_fault_injector_is_seeded_and_total(data, seed):
-    spec = FaultSpec.parse(f"flip=0.5,drop=0.5,dup=0.5,seed={seed % 1000}")
+@given(st.binary(max_size=400), st.integers(0, 2**32 - 1), st.sampled_from(["byte", "frame"]))
+def test_fault_injector_is_seeded_and_total(data, seed, unit):
+    spec = FaultSpec.parse(f"{unit}_flip=0.5,{unit}_drop=0.5,{unit}_dup=0.5,seed={seed % 1000}")
     a, b = FaultInjector(spec), FaultInjector(spec)
     assert a.tx(data) == b.tx(data)
     assert a.rx(data + bytes([END])) == b.rx(data + bytes([END]))
 
 
-def test_fault_spec_rejects_bad_items():
-    with pytest.raises(SetupError):
-        FaultSpec.parse("flip=2")
-    with pytest.raises(SetupError):
+def test_fault_spec_rejects_bad_and_ambiguous_items():
+    with pytest.raises(SetupError, match="probabilities"):
+        FaultSpec.parse("byte_flip=2")
+    with pytest.raises(SetupError, match="keys:"):
         FaultSpec.parse("flop=0.1")
-    assert FaultSpec.parse("flip=0.01,drop=0.002,dup=0.002,delay=0.001,reset_after=500,seed=1").reset_after == 500
+    for old in ("flip=0.01", "drop=0.01", "dup=0.01", "unit=byte"):
+        with pytest.raises(SetupError, match="ambiguous"):
+            FaultSpec.parse(old)
+    f = FaultSpec.parse("byte_flip=0.01,byte_drop=0.002,byte_dup=0.002,frame_delay=0.001,reset_after=500,seed=1")
+    assert (f.byte_flip, f.byte_drop, f.byte_dup, f.frame_delay, f.reset_after, f.seed) == (0.01, 0.002, 0.002, 0.001, 500, 1)
+    assert f.per_byte and f.per_frame and FaultSpec.parse("").active is False
+
+
+def test_byte_faults_hit_each_byte_at_the_given_rate():
+    """Per-byte rates: counts over 200 kB fall in a 5-sigma binomial band; flipped bytes always change value."""
+    n = 200_000
+    data = bytes(range(256)) * (n // 256)
+    inj = FaultInjector(FaultSpec.parse("byte_flip=0.01,seed=5"))
+    out = np.frombuffer(inj.tx(data), np.uint8)
+    changed = int((out != np.frombuffer(data, np.uint8)).sum())
+    assert changed == inj.counts["byte_flip"]  # a flipped byte is never left unchanged
+    sigma = (len(data) * 0.01 * 0.99) ** 0.5
+    assert abs(changed - 0.01 * len(data)) < 5 * sigma
+    inj = FaultInjector(FaultSpec.parse("byte_drop=0.01,byte_dup=0.02,seed=6,dir=tx"))
+    out = inj.tx(data)
+    assert len(out) == len(data) - inj.counts["byte_drop"] + inj.counts["byte_dup"]
+    assert abs(inj.counts["byte_drop"] - 0.01 * len(data)) < 5 * sigma
+    assert abs(inj.counts["byte_dup"] - 0.02 * 0.99 * len(data)) < 5 * (len(data) * 0.02) ** 0.5
+    assert inj.rx(data) == data  # dir=tx leaves the receive direction alone
 
 
 # ---------------------------------------------------------------- device side (in process)
@@ -330,8 +353,8 @@ def test_run_error_on_board_matches_sim():
 
 
 @pytest.mark.parametrize("faults", [
-    "flip=0.01,drop=0.002,dup=0.002,delay=0.001,seed=1",
-    "flip=0.25,drop=0.1,dup=0.1,delay=0.02,delay_ms=5,seed=7",
+    "frame_flip=0.01,frame_drop=0.002,frame_dup=0.002,frame_delay=0.001,seed=1",
+    "frame_flip=0.25,frame_drop=0.1,frame_dup=0.1,frame_delay=0.02,delay_ms=5,seed=7",
 ])
 def test_fpga_bit_identical_under_faults(sim_result, faults):
     prog, ref = sim_result
@@ -345,7 +368,7 @@ def test_fpga_bit_identical_under_faults(sim_result, faults):
 
 def test_fpga_bit_identical_under_byte_rate_faults(sim_result):
     prog, ref = sim_result
-    faults = "flip=1e-4,drop=2e-5,dup=2e-5,unit=byte,seed=3"
+    faults = "byte_flip=1e-4,byte_drop=2e-5,byte_dup=2e-5,seed=3"
     with FpgaTarget(device="fpga-small", faults=faults, chunk_bytes=2048, frame_timeout=0.2) as t:
         got = _run(prog, t)
         link = t.stats()["link"]
@@ -399,7 +422,7 @@ def test_loop_url_fails_clearly():
 
 def test_faults_need_the_emulator():
     with pytest.raises(SetupError):
-        FpgaTarget(port="/dev/ttyUSB9", faults="flip=0.1")
+        FpgaTarget(port="/dev/ttyUSB9", faults="byte_flip=0.1")
 
 
 def _free_port() -> int:

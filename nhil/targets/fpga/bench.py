@@ -1,4 +1,4 @@
-"""Link benchmark for ``make bench``: protocol efficiency and throughput vs the raw pty."""
+"""Link benchmark for ``make bench``: protocol efficiency, throughput vs the raw pty, and goodput on a noisy line."""
 
 from __future__ import annotations
 
@@ -62,6 +62,10 @@ def synthetic_program(nbytes: int, device: str = "aim-like", seed: int = 0):
     return Program(d, [Instr(Op.EOC)], [], [], {}, imgs, {}, {"inputs": {}, "outputs": {}}, {"synthetic": True})
 
 
+BENCH_FAULTS = "byte_flip=0.01,byte_drop=0.01,byte_dup=0.01,seed=1"  # per wire byte, both directions
+BENCH_FAULTS_LIGHT = "byte_flip=0.01,byte_drop=0.002,byte_dup=0.002,seed=1"
+
+
 def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str = "", verify_rows: int = 2) -> dict:
     """Load ``nbytes`` of random bank rows into a board emulator over a pty and measure.
 
@@ -74,7 +78,7 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
 
     prog = synthetic_program(nbytes, device)
     image = sum(img.data.nbytes for img in prog.bank_images)
-    raw = raw_pty_throughput(min(image, 256 << 20))
+    raw = raw_pty_throughput(min(image, 256 << 20), chunk=min(65536, image))
     t = FpgaTarget(device=device, faults=faults, progress=False)
     with t:
         before = dict(t.link)
@@ -84,9 +88,13 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
         link = {k: t.link[k] - before[k] for k in t.link}
         d = prog.device
         ok = True
+        t1 = time.perf_counter()
+        nread = 0
         for img in prog.bank_images[:verify_rows]:
             for ch, bank in ((0, 0), (d.channels - 1, d.banks - 1)):
                 ok &= bool(np.array_equal(t.read_row(ch, bank, img.row), img.data[ch, bank]))
+                nread += d.cols * 2
+        read_s = time.perf_counter() - t1
     mbps = image / dt / 1e6
     return {
         "nbytes": image,
@@ -95,6 +103,8 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
         "faults": faults or "none",
         "seconds": round(dt, 3),
         "link_MBps": round(mbps, 1),
+        "link_kBps": round(mbps * 1e3, 2),
+        "readback_kBps": round(nread / read_s / 1e3, 2),
         "raw_pty_MBps": round(raw, 1),
         "link_vs_raw": round(mbps / raw, 3),
         "wire_efficiency": round(link["payload_tx"] / link["bytes_tx"], 4),
@@ -102,8 +112,36 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
         "frames_tx": link["frames_tx"],
         "retries": link["retries"],
         "crc_errors": link["crc_errors"],
+        "naks": link["naks"],
+        "timeouts": link["timeouts"],
+        "fragment_budget_min": t.budget_min_seen,
         "verified": ok,
     }
+
+
+def goodput_benchmark(nbytes: int = 128 << 10, device: str = "fpga-small", faults: str = BENCH_FAULTS) -> dict:
+    """Load ``nbytes`` of random (incompressible, no zero runs) bank rows through a faulty line; see :func:`link_benchmark`.
+
+    ``link_kBps`` is then the goodput: image bytes delivered per second (read back bit-exactly afterwards);
+    ``readback_kBps`` the goodput of those READ_MEM replies (fetched in pieces).
+    """
+    return link_benchmark(nbytes, device=device, faults=faults)
+
+
+def bench_rows(clean_bytes: int = 64 << 20, noisy_bytes: int = 64 << 10) -> list[tuple[str, str, str, str]]:
+    """Rows (stage, value, ratio, note) for ``nhil bench``: clean-link throughput vs raw pty, efficiency, and
+    goodput with 1% of the wire bytes corrupted + 1% dropped + 1% duplicated, and with 1% / 0.2% / 0.2%."""
+    b = link_benchmark(clean_bytes)
+    rows = [
+        (f"fpga link: bulk write {clean_bytes >> 20} MiB over a pty", f"{b['link_MBps']:.1f} MB/s", f"{b['link_vs_raw']:.2f}", f"x raw pty write ({b['raw_pty_MBps']:.1f} MB/s)"),
+        ("fpga link: protocol efficiency", f"{b['wire_efficiency']:.4f}", "", "payload bytes / wire bytes"),
+    ]
+    for faults, what, n in ((BENCH_FAULTS, "1% corrupted + 1% dropped + 1% duplicated", noisy_bytes), (BENCH_FAULTS_LIGHT, "1% corrupted + 0.2% dropped + 0.2% duplicated", 2 * noisy_bytes)):
+        g = goodput_benchmark(n, faults=faults)
+        rows.append((f"fpga link: goodput, {n >> 10} KiB, bytes {what}", f"{g['link_kBps']:.1f} kB/s", f"{g['link_kBps'] / b['link_kBps']:.5f}",
+                     f"x clean link; reads {g['readback_kBps']:.1f} kB/s; {g['retries']} retries, {g['crc_errors']} CRC errors, fragments down to {g['fragment_budget_min']} B"
+                     + ("" if g["verified"] else "; READBACK MISMATCH")))
+    return rows
 
 
 if __name__ == "__main__":
@@ -111,4 +149,5 @@ if __name__ == "__main__":
     import sys
 
     n = int(float(sys.argv[1])) if len(sys.argv) > 1 else 64 << 20
-    print(json.dumps(link_benchmark(n, faults=sys.argv[2] if len(sys.argv) > 2 else ""), indent=1))
+    faults = sys.argv[2] if len(sys.argv) > 2 else ""
+    print(json.dumps(link_benchmark(n, device="fpga-small" if faults else "aim-like", faults=faults), indent=1))

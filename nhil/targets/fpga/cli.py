@@ -25,7 +25,8 @@ def fpga_emu(
 
     Args:
         device: device preset served (``aim-like`` fits the real SmolLM2 program).
-        faults: fault injection, e.g. ``flip=0.01,drop=0.002,dup=0.002,delay=0.001,reset_after=500,seed=1``.
+        faults: fault injection, e.g. ``byte_flip=0.01,byte_drop=0.002,byte_dup=0.002,seed=1`` (per wire byte) or
+            ``frame_flip=0.01,frame_delay=0.001,reset_after=500`` (per frame); see ``faults.py``.
         rtl: execute on the RTL target instead of the functional simulator.
         tcp: listen on this TCP port instead of a pty (0: pty).
         host: address to bind in TCP mode (loopback unless given explicitly).

@@ -1,11 +1,15 @@
 """Host side of the FPGA link: ``FpgaTarget``, the ``fpga`` execution target.
 
 Stop-and-wait request/reply over any pyserial URL (``/dev/ttyUSB0``, ``rfc2217://host:port``,
-``socket://host:port``, ``loop://``), protocol in ``docs/link-protocol.md``. Every request
+``socket://host:port``, ``loop://``), protocol v2 in ``docs/link-protocol.md``. Every frame
 is retransmitted (same seq, bounded retries, exponential backoff of the reply timeout)
 until its reply arrives; the board answers a repeated seq from its reply cache, so nothing
-executes twice. A changed board session nonce, or an ``E_SESSION`` error, means the board
-was reset mid-session: that ends the run with ``LinkError`` (state is gone), never a retry.
+executes twice. Requests over 64 bytes travel as fragmented messages (MSG_BEGIN / MSG_DATA /
+MSG_ZERO) and large replies are fetched in pieces (REPLY_HEAD / FETCH); the fragment size
+adapts to the line (shrinks on every failed exchange, grows on success), so a line that
+corrupts 1% of its bytes still carries data. A changed board session nonce, or an
+``E_SESSION`` error, means the board was reset mid-session: that ends the run with
+``LinkError`` (state is gone), never a retry.
 """
 
 from __future__ import annotations
@@ -28,13 +32,21 @@ from nhil.isa.instr import OPINFO, Op
 from nhil.isa.program import Program
 from nhil.targets.base import Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.fpga import protocol as P
-from nhil.targets.fpga.frame import BAD_CRC, DEFAULT_MAX_PAYLOAD, OVERHEAD, Bad, Deframer, Frame, encode_frame
+from nhil.targets.fpga.fragment import ZERO_RUN_MIN, plan_fragment, zero_runs
+from nhil.targets.fpga.frame import BAD_CRC, DEFAULT_MAX_PAYLOAD, END, OVERHEAD, Bad, Deframer, Frame, crc32, encode_frame
 
 DEFAULT_BAUD = 3_000_000
 COUNTERS = (
     "frames_tx", "frames_rx", "bytes_tx", "bytes_rx", "payload_tx", "payload_rx", "crc_errors", "framing_errors",
     "naks", "retries", "resyncs", "timeouts", "stale_replies", "duplicate_replies", "board_errors",
+    "messages", "fragments", "zero_bytes", "fetches", "shrinks", "grows", "msg_crc_errors", "reply_crc_errors",
 )
+DIRECT_MAX = 64  # requests with a larger payload travel as fragmented messages
+MIN_FRAGMENT = 16  # smallest fragment data budget (bytes)
+GROW, SHRINK = 1.5, 0.8  # budget x GROW after a good exchange, x SHRINK**k after the k-th failure in a row
+MIN_RTO = 0.02  # seconds: floor of the adaptive reply timeout
+WINDOW = 16  # fragments (or FETCHes) sent back to back before waiting (section 6 "bursts")
+_END_B = bytes([END])
 
 
 def _stop_proc(proc: subprocess.Popen | None) -> None:
@@ -78,6 +90,20 @@ def start_emulator(device: str, faults: str = "", rtl: bool = False, timeout: fl
     return proc, path
 
 
+def _subtract(ranges: list[tuple[int, int]], done: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges ``ranges`` minus the ranges ``done`` (both half-open), in order."""
+    out = []
+    for lo, hi in ranges:
+        cuts = sorted((max(lo, a), min(hi, b)) for a, b in done if a < hi and b > lo)
+        for a, b in cuts:
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+        if lo < hi:
+            out.append((lo, hi))
+    return out
+
+
 class FpgaTarget(Target):
     """The FPGA prototype behind a serial link (or the board emulator on a pty).
 
@@ -93,16 +119,19 @@ class FpgaTarget(Target):
         frame_timeout: base seconds to wait for a reply, plus the frame's wire time at ``baud``;
             doubles after each timeout (capped at 16x).
         run_timeout: seconds an accepted EXEC may run before its READBACK must arrive.
-        max_retries: transmissions of one request before ``LinkError``.
-        chunk_bytes: WRITE_MEM data bytes per frame (capped by the board's max payload).
+        max_retries: transmissions of one frame before ``LinkError`` (each fragment of a
+            message, and each FETCH, has its own budget of retries).
+        chunk_bytes: WRITE_MEM data bytes per request during a load (capped by the board's max message).
+        max_fragment: cap on the data bytes per frame (the adaptive budget starts here; default
+            the board's max payload).
         progress: show a progress bar for loads (``None``: when the image exceeds 8 MiB and stderr is a tty).
     """
 
     name = "fpga"
 
     def __init__(self, port: str | None = None, baud: int | None = None, device: str | DeviceConfig | None = "aim-like", faults: str | None = None, *,
-                 rtl: bool = False, open_timeout: float = 10.0, frame_timeout: float = 0.5, run_timeout: float = 60.0, max_retries: int = 16,
-                 chunk_bytes: int = 65536, progress: bool | None = None, **_ignored) -> None:
+                 rtl: bool = False, open_timeout: float = 10.0, frame_timeout: float = 0.5, run_timeout: float = 60.0, max_retries: int = 32,
+                 chunk_bytes: int = 65536, max_fragment: int | None = None, progress: bool | None = None, **_ignored) -> None:
         self.port = port or os.environ.get("FPGA_PORT") or None
         try:
             self.baud = int(baud if baud is not None else os.environ.get("FPGA_BAUD", DEFAULT_BAUD))
@@ -125,12 +154,18 @@ class FpgaTarget(Target):
         self.run_timeout = run_timeout
         self.max_retries = max(1, max_retries)
         self.chunk_bytes = max(2, chunk_bytes & ~1)
+        self.max_fragment = max_fragment
         self.progress = progress
         self.ser = None
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.board_nonce: int | None = None
         self.max_payload = DEFAULT_MAX_PAYLOAD
+        self.max_message = DEFAULT_MAX_PAYLOAD
+        self.budget = self.budget_max = self.budget_min_seen = DEFAULT_MAX_PAYLOAD - P.BEGIN_HEADER
+        self._fails = 0  # failed exchanges in a row
+        self._srtt: float | None = None
+        self._rttvar = 0.0
         self.info: dict = {}
         self._caps: Capabilities | None = None
         self._seq = 0
@@ -187,7 +222,7 @@ class FpgaTarget(Target):
         wait = 0.1
         echoed = False
         while time.monotonic() < deadline:
-            self._write(b"\xc0\xc0" + frame, len(P.pack_hello(host_nonce)))
+            self._write(b"\xc0\xc0" + frame + _END_B, len(P.pack_hello(host_nonce)))
             until = min(deadline, time.monotonic() + wait)
             while True:
                 ev = self._recv(until)
@@ -206,7 +241,7 @@ class FpgaTarget(Target):
                 if ev.type != P.HELLO_REPLY:
                     continue
                 try:
-                    proto, isa, nonce, maxp = P.unpack_hello_reply(ev.payload)
+                    proto, isa, nonce, maxp, maxm = P.unpack_hello_reply(ev.payload)
                 except P.ProtocolError as e:
                     raise LinkError(f"board at {self.url}: malformed HELLO reply: {e}") from None
                 if proto != P.PROTOCOL_VERSION or isa != P.ISA_VERSION:
@@ -215,8 +250,12 @@ class FpgaTarget(Target):
                     raise LinkError(f"board at {self.url} announced an implausible max payload of {maxp} bytes")
                 self.board_nonce = nonce
                 self.max_payload = maxp
+                self.max_message = max(maxp, maxm)
                 self._rx.max_payload = maxp
                 self._rx.max_wire = 2 * (maxp + OVERHEAD)
+                cap = maxp - P.BEGIN_HEADER - 8  # room for MSG_BEGIN / WRITE_MEM headers
+                self.budget_max = max(MIN_FRAGMENT, min(cap, self.max_fragment or cap))
+                self.budget = self.budget_min_seen = self.budget_max
                 return
             self.link["timeouts"] += 1
             wait = min(wait * 2, 2.0)
@@ -224,7 +263,7 @@ class FpgaTarget(Target):
         raise LinkError(f"no HELLO reply from {self.url} within {self.open_timeout:.1f} s{hint}")
 
     def _read_info(self) -> None:
-        f = self._transact(P.INFO, b"", P.INFO_REPLY)
+        f = self._transact(P.INFO, b"", P.INFO_REPLY, reply_size=4096)
         try:
             info = json.loads(f.payload.decode())
             dev = DeviceConfig.from_dict(info["device"])
@@ -272,16 +311,51 @@ class FpgaTarget(Target):
                 self._q.append(ev)
         return self._q.popleft()
 
-    def _timeout_for(self, nbytes: int) -> float:
-        return self.frame_timeout + 2 * 10 * nbytes / self.baud
+    def _rto(self, nbytes: int) -> float:
+        """Reply timeout: RFC 6298 SRTT + 4 RTTVAR (floor MIN_RTO, ceiling ``frame_timeout``; ``frame_timeout`` before
+        the first sample) plus twice the wire time of ``nbytes`` at the baud rate."""
+        base = self.frame_timeout if self._srtt is None else min(self.frame_timeout, max(MIN_RTO, self._srtt + 4 * self._rttvar))
+        return base + 2 * 10 * nbytes / self.baud
+
+    def _rtt_sample(self, r: float) -> None:
+        if self._srtt is None:
+            self._srtt, self._rttvar = r, r / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - r)
+            self._srtt = 0.875 * self._srtt + 0.125 * r
+
+    def _adapt(self, ok: bool) -> None:
+        """Fragment budget: x GROW after a good exchange, x SHRINK**k after the k-th failed exchange in a row."""
+        if ok:
+            self._fails = 0
+            if self.budget < self.budget_max:
+                self.budget = min(self.budget_max, int(self.budget * GROW) + 1)
+                self.link["grows"] += 1
+        else:
+            self._fails += 1
+            if self.budget > MIN_FRAGMENT:
+                self.budget = max(MIN_FRAGMENT, int(self.budget * SHRINK ** self._fails))
+                self.link["shrinks"] += 1
+                self.budget_min_seen = min(self.budget_min_seen, self.budget)
+
+    def _copies(self) -> int:
+        """Copies of each frame sent back to back: 1 on a clean line, 2-3 when the budget shows a noisy one."""
+        return 1 if self.budget >= 1024 else (2 if self.budget >= 256 else (3 if self.budget >= 64 else 4))
+
+    def _split_reply(self, reply_size: int) -> bool:
+        """Ask for REPLY_HEAD + FETCH when the reply would not fit the budget, or the line is noisy."""
+        return reply_size > self.budget or self.budget < 256
 
     # ------------------------------------------------------------ request / reply
-    def _transact(self, type_: int, payload: bytes, expect: int) -> Frame:
-        """Send one request until its reply arrives (see the module docstring).
+    def _exchange(self, type_: int, make, reply_size: int, name: str) -> Frame:
+        """Send one frame until a reply with its seq arrives; ``make(budget) -> payload`` builds each attempt.
+
+        A retransmission keeps the seq; ``make`` may return a shorter payload after the budget shrank
+        (fragments only: the board's reply says how much it holds). Returns the reply frame (may be
+        ERROR or REPLY_HEAD; ACCEPTED switches to the run timeout).
 
         Raises:
-            LinkError: retries exhausted, board reset detected, protocol violation.
-            RunError: the board refused the request (run error, address out of range).
+            LinkError: retries exhausted, board reset detected.
         """
         if self.ser is None:
             raise LinkError("the fpga target is not open")
@@ -289,27 +363,36 @@ class FpgaTarget(Target):
             raise LinkError(self._dead)
         self._seq = (self._seq % 0xFFFF) + 1
         seq = self._seq
-        name = P.NAMES[type_]
-        frame = encode_frame(type_, 0, seq, self.board_nonce, payload)
-        retx = encode_frame(type_, P.F_RETX, seq, self.board_nonce, payload)
-        timeout = self._timeout_for(len(frame) + 64)
         why = ""
+        backoff = 1
         for attempt in range(self.max_retries):
             if attempt:
                 self.link["retries"] += 1
-                time.sleep(min(0.0005 * 2 ** (attempt - 1), 0.05))
-            self._write(frame if attempt == 0 else retx, len(payload))
-            deadline = time.monotonic() + timeout
+                if why == "timeout":
+                    time.sleep(min(0.0005 * 2 ** (attempt - 1), 0.05))
+            payload = make(self.budget)
+            flags = (P.F_RETX if attempt else 0) | (P.F_SPLIT_REPLY if self._split_reply(reply_size) else 0)
+            frame = encode_frame(type_, flags, seq, self.board_nonce, payload) + _END_B
+            copies = self._copies()
+            for _ in range(copies):  # every copy after the first is answered from the reply cache
+                self._write(frame, len(payload))
+            t_sent = time.monotonic()
+            deadline = t_sent + backoff * self._rto(copies * (len(frame) + min(reply_size, self.budget)) + 64)
+            accepted = False
+            bad = 0
             while True:
                 ev = self._recv(deadline)
                 if ev is None:
                     self.link["timeouts"] += 1
                     why = "timeout"
-                    timeout = min(timeout * 2, 16 * self._timeout_for(len(frame) + 64))
+                    backoff = min(backoff * 2, 16)
                     break
                 if isinstance(ev, Bad):
                     why = "corrupted reply"
-                    break
+                    bad += 1
+                    if bad >= copies:
+                        break
+                    continue
                 if ev.nonce != self.board_nonce:
                     self._dead = f"board reset detected during {name}: its session nonce changed from 0x{self.board_nonce:08x} to 0x{ev.nonce:08x}; device state is lost, the run cannot continue"
                     raise LinkError(self._dead)
@@ -318,7 +401,10 @@ class FpgaTarget(Target):
                 if ev.type == P.NAK:
                     self.link["naks"] += 1
                     why = "NAK"
-                    break
+                    bad += 1
+                    if bad >= copies:
+                        break
+                    continue
                 if ev.seq != seq:
                     self.link["stale_replies"] += 1
                     continue
@@ -326,13 +412,233 @@ class FpgaTarget(Target):
                     self.link["duplicate_replies"] += 1
                 if ev.type == P.ACCEPTED:
                     deadline = time.monotonic() + self.run_timeout
+                    accepted = True
                     continue
-                if ev.type == P.ERROR:
-                    self._board_error(name, ev)
-                if ev.type != expect:
-                    raise LinkError(f"protocol violation: {name} answered with {P.NAMES.get(ev.type, hex(ev.type))}, expected {P.NAMES[expect]}")
+                if attempt == 0 and not accepted and copies == 1:
+                    self._rtt_sample(time.monotonic() - t_sent)
+                self._adapt(True)
                 return ev
+            self._adapt(False)
         raise LinkError(f"{name} (seq {seq}) got no valid reply from {self.url} after {self.max_retries} attempts (last: {why}); link: {self._brief()}")
+
+    def _burst(self, reqs: list[tuple[int, bytes]], name: str) -> tuple[dict[int, Frame], Frame | None]:
+        """Send ``reqs`` (type, payload) back to back, each with a fresh seq and ``_copies()`` copies, then a MSG_QUERY.
+
+        Collects replies until the MSG_QUERY's reply (the board answers in order, so everything it
+        sent for the burst has arrived by then) or the reply timeout. Returns ({request index: first
+        valid reply}, MSG_QUERY reply or ``None``). Never raises for lost frames: the caller re-sends
+        what is missing.
+        """
+        if self.ser is None:
+            raise LinkError("the fpga target is not open")
+        if self._dead:
+            raise LinkError(self._dead)
+        copies = self._copies()
+        seqs: dict[int, int] = {}
+        out = []
+        nbytes = 0
+        for i, (t, pl) in enumerate([*reqs, (P.MSG_QUERY, b"")]):
+            self._seq = (self._seq % 0xFFFF) + 1
+            seqs[self._seq] = i
+            fr = encode_frame(t, 0, self._seq, self.board_nonce, pl) + _END_B
+            out.append(fr * (copies if i < len(reqs) else 2 * copies))  # the closing query is small: send it more often
+            nbytes += copies * (len(fr) + self.budget)
+        wire = b"".join(out)
+        self._write(wire, copies * sum(len(pl) for _, pl in reqs))
+        self.link["frames_tx"] += copies * (len(reqs) + 2) - 1
+        last = len(reqs)
+        got: dict[int, Frame] = {}
+        t_sent = time.monotonic()
+        deadline = t_sent + self._rto(nbytes + 64)
+        while True:
+            ev = self._recv(deadline)
+            if ev is None:
+                self.link["timeouts"] += 1
+                break
+            if isinstance(ev, Bad):
+                continue
+            if ev.nonce != self.board_nonce:
+                self._dead = f"board reset detected during {name}: its session nonce changed from 0x{self.board_nonce:08x} to 0x{ev.nonce:08x}; device state is lost, the run cannot continue"
+                raise LinkError(self._dead)
+            if ev.type in P.REQUESTS:
+                continue
+            if ev.type == P.NAK:
+                self.link["naks"] += 1
+                continue
+            i = seqs.get(ev.seq)
+            if i is None:
+                self.link["stale_replies"] += 1
+                continue
+            if ev.type == P.ERROR and P.unpack_error(ev.payload)[0] == P.E_SESSION:
+                self._board_error(name, ev)
+            if i in got:
+                self.link["duplicate_replies"] += 1
+                continue
+            got[i] = ev
+            if i == last:
+                self._rtt_sample(time.monotonic() - t_sent)
+                break
+        return got, got.pop(last, None)
+
+    def _adapt_burst(self, done: int, sent: int) -> None:
+        """Budget after a burst: in-order delivery wastes the rest of a burst after one lost fragment, so aim
+        for most fragments of a burst getting through: grow when at least 90% did, shrink below 60%."""
+        if done >= 0.9 * sent:
+            self._adapt(True)
+        elif done < 0.6 * sent:
+            self._fails = 0
+            self._adapt(False)
+
+    def _query(self, name: str) -> tuple[int, int]:
+        """(received, total) of the board's open message, stop-and-wait."""
+        ev = self._exchange(P.MSG_QUERY, lambda _b: b"", 0, f"{name} (MSG_QUERY)")
+        if ev.type == P.ERROR:
+            self._board_error(f"{name} (MSG_QUERY)", ev)
+        if ev.type != P.FRAG_ACK:
+            raise LinkError(f"protocol violation: MSG_QUERY answered with {P.NAMES.get(ev.type, hex(ev.type))}")
+        return P.unpack_frag_ack(ev.payload)
+
+    def _transact(self, type_: int, payload: bytes, expect: int, reply_size: int = 0) -> Frame:
+        """One request and its (inline or fetched) reply; payloads over DIRECT_MAX go as a fragmented message.
+
+        Args:
+            reply_size: bytes the reply payload may take (decides F_SPLIT_REPLY).
+
+        Raises:
+            LinkError: retries exhausted, board reset detected, protocol violation.
+            RunError: the board refused the request (run error, address out of range).
+        """
+        name = P.NAMES[type_]
+        if len(payload) > DIRECT_MAX and type_ in P.INNER_REQUESTS:
+            ev = self._send_message(type_, payload, reply_size, name)
+        else:
+            ev = self._exchange(type_, lambda _b: payload, reply_size, name)
+        if ev.type == P.REPLY_HEAD:
+            ev = self._fetch(ev, name)
+        if ev.type == P.ERROR:
+            self._board_error(name, ev)
+        if ev.type != expect:
+            raise LinkError(f"protocol violation: {name} answered with {P.NAMES.get(ev.type, hex(ev.type))}, expected {P.NAMES[expect]}")
+        return ev
+
+    def _send_message(self, type_: int, payload: bytes, reply_size: int, name: str) -> Frame:
+        """Send ``payload`` as MSG_BEGIN + MSG_DATA/MSG_ZERO fragments sized by the current budget.
+
+        Returns the inner request's reply (the reply to the completing fragment). A message the
+        board reports as E_MSG_CRC is sent again (3 times at most).
+        """
+        total = len(payload)
+        crc = crc32(payload)
+        runs_all = zero_runs(payload, ZERO_RUN_MIN)
+        lens = runs_all[:, 1] - runs_all[:, 0]
+        self.link["messages"] += 1
+        for _ in range(3):
+            pos = 0
+            begun = False
+            stalls = 0
+            while True:
+                # kind and extent are fixed at the first attempt; a retransmission may only carry fewer data bytes
+                kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], pos, self.budget)
+                if begun and e < total:  # not the last fragment: a burst of fragments, then ask where the board stands
+                    reqs, ends, p = [], [], pos
+                    while len(reqs) < WINDOW:
+                        kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], p, self.budget)
+                        if e >= total:
+                            break
+                        reqs.append((P.MSG_ZERO, P.pack_msg_zero(a, e - a)) if kind == "zero" else (P.MSG_DATA, P.pack_msg_data(a, payload[a:e])))
+                        ends.append(e)
+                        p = e
+                    got, q = self._burst(reqs, name)
+                    for i, ev in got.items():
+                        if ev.type == P.ERROR and P.unpack_error(ev.payload)[0] != P.E_FRAGMENT:
+                            self._board_error(name, ev)  # a refused fragment (E_FRAGMENT) only means an earlier one was lost
+                    rec, tot = P.unpack_frag_ack(q.payload) if q is not None and q.type == P.FRAG_ACK else self._query(name)
+                    if tot != total or not pos <= rec <= ends[-1] or (rec not in ends and rec != pos):
+                        raise LinkError(f"protocol violation: {name}: after fragments up to {ends[-1]} the board holds {rec} of {tot} bytes (message of {total}, expected at least {pos})")
+                    done = sum(1 for x in ends if x <= rec)
+                    self.link["fragments"] += len(reqs)
+                    self.link["retries"] += len(reqs) - done
+                    self.link["zero_bytes"] += sum(int(P.unpack_msg_zero(pl)[1]) for (t, pl), x in zip(reqs, ends) if t == P.MSG_ZERO and x <= rec)
+                    self._adapt_burst(done, len(reqs))
+                    stalls = 0 if done else stalls + 1
+                    if stalls >= self.max_retries:
+                        raise LinkError(f"{name}: no fragment at offset {pos} of {total} got through in {stalls} bursts; link: {self._brief()}")
+                    pos = rec
+                    continue
+                if not begun:
+                    t, end = P.MSG_BEGIN, (e if kind == "data" else pos)
+                    make = lambda b, end=end: P.pack_msg_begin(type_, total, crc, payload[: min(end, max(1, b))])
+                elif kind == "zero":
+                    t, zero = P.MSG_ZERO, P.pack_msg_zero(a, e - a)
+                    make = lambda _b, zero=zero: zero
+                else:
+                    t = P.MSG_DATA
+                    make = lambda b, a=a, e=e: P.pack_msg_data(a, payload[a : min(e, a + max(1, b))])
+                ev = self._exchange(t, make, reply_size, f"{name} ({P.NAMES[t]} @{pos}/{total})")
+                self.link["fragments"] += 1
+                if t == P.MSG_ZERO:
+                    self.link["zero_bytes"] += e - a
+                if ev.type != P.FRAG_ACK:
+                    if ev.type == P.REPLY_HEAD:
+                        ev = self._fetch(ev, name)
+                    if ev.type == P.ERROR and P.unpack_error(ev.payload)[0] == P.E_MSG_CRC:
+                        self.link["msg_crc_errors"] += 1
+                        break
+                    return ev
+                try:
+                    got, tot = P.unpack_frag_ack(ev.payload)
+                except P.ProtocolError as e:
+                    raise LinkError(f"protocol violation: {e}") from None
+                if tot != total or not pos <= got < total or (begun and got == pos):
+                    raise LinkError(f"protocol violation: {name} fragment at {pos} acknowledged as {got} of {tot} bytes (message of {total})")
+                pos, begun = got, True
+        raise LinkError(f"{name}: the board reassembled a message of {total} bytes with a wrong CRC 3 times; link: {self._brief()}")
+
+    def _fetch(self, head: Frame, name: str) -> Frame:
+        """Read a REPLY_HEAD's reply with FETCHes of the current budget; check its CRC (3 tries)."""
+        try:
+            rtype, total, crc = P.unpack_reply_head(head.payload)
+        except P.ProtocolError as e:
+            raise LinkError(f"protocol violation: {e}") from None
+        if total > self.max_message:
+            raise LinkError(f"protocol violation: {name} reply of {total} bytes exceeds the board's max message {self.max_message}")
+        for _ in range(3):
+            buf = bytearray(total)
+            missing = [(0, total)]  # byte ranges still to fetch
+            stalls = 0
+            while missing:
+                reqs, want = [], []
+                for lo, hi in missing:
+                    while lo < hi and len(reqs) < WINDOW:
+                        n = min(hi - lo, max(1, self.budget))
+                        reqs.append((P.FETCH, P.pack_fetch(lo, n)))
+                        want.append((lo, n))
+                        lo += n
+                got, _ = self._burst(reqs, f"{name} (FETCH)")
+                self.link["fetches"] += len(reqs)
+                filled = []
+                for i, ev in got.items():
+                    if ev.type == P.ERROR:
+                        self._board_error(f"{name} (FETCH)", ev)
+                    lo, n = want[i]
+                    try:
+                        off, data = P.unpack_reply_data(ev.payload) if ev.type == P.REPLY_DATA else (None, b"")
+                    except P.ProtocolError as e:
+                        raise LinkError(f"protocol violation: {e}") from None
+                    if ev.type != P.REPLY_DATA or off != lo or not 0 < len(data) <= n:
+                        raise LinkError(f"protocol violation: FETCH at {lo} of a {total}-byte reply answered with {P.NAMES.get(ev.type, hex(ev.type))} at {off} ({len(data)} bytes)")
+                    buf[lo : lo + len(data)] = data
+                    filled.append((lo, lo + len(data)))
+                self._adapt_burst(len(filled), len(reqs))
+                self.link["retries"] += len(reqs) - len(filled)
+                missing = _subtract(missing, filled)
+                stalls = 0 if filled else stalls + 1
+                if stalls >= self.max_retries:
+                    raise LinkError(f"{name}: FETCH of a {total}-byte reply made no progress in {stalls} bursts; link: {self._brief()}")
+            if crc32(buf) == crc:
+                return Frame(rtype, head.flags, head.seq, head.nonce, bytes(buf))
+            self.link["reply_crc_errors"] += 1
+        raise LinkError(f"{name}: the reply of {total} bytes fetched 3 times never matched its CRC; link: {self._brief()}")
 
     def _board_error(self, name: str, ev: Frame):
         code, msg = P.unpack_error(ev.payload)
@@ -363,7 +669,7 @@ class FpgaTarget(Target):
         total = sum(int(img.data.size) * 2 for img in imgs)
         t0 = time.monotonic()
         self._transact(P.LOAD_PROGRAM, P.pack_load_program(len(imgs)), P.ACK)
-        chunk = max(1, min(self.chunk_bytes, self.max_payload - 8) // 2)
+        chunk = max(1, min(self.chunk_bytes, self.max_message - 8) // 2)
         crc = 0
         nbytes = nwrites = 0
         show = self.progress if self.progress is not None else (total > (8 << 20) and sys.stderr.isatty())
@@ -402,27 +708,27 @@ class FpgaTarget(Target):
     def _groups(self, block: list[ResolvedInstr]):
         """Split a block into EXEC frames whose request and READBACK both fit the max payload."""
         lanes = self.capabilities().device.lanes
-        limit = self.max_payload - 4
+        limit = self.max_message - 4
         cur, size, rsize = [], 0, 0
         for r in block:
             pl = b"" if r.payload is None else np.ascontiguousarray(r.payload, dtype=P.payload_dtype(r.instr.op)).tobytes()
             isz = P.exec_item_bytes(len(pl))
             rb = P.readback_bytes(r.instr.op, r.instr.n, lanes) if OPINFO[r.instr.op].data_out else 0
             if cur and (size + isz > limit or rsize + rb > limit):
-                yield cur
+                yield cur, rsize
                 cur, size, rsize = [], 0, 0
             if isz > limit or rb > limit:
-                raise RunError(f"instruction {r.index} ({r.instr.op.name}) needs {max(isz, rb)} bytes in one frame, the board's max payload is {self.max_payload}")
+                raise RunError(f"instruction {r.index} ({r.instr.op.name}) needs {max(isz, rb)} bytes in one message, the board's max message is {self.max_message}")
             cur.append((r, pl))
             size += isz
             rsize += rb
         if cur:
-            yield cur
+            yield cur, rsize
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         lanes = self.capabilities().device.lanes
-        for group in self._groups(block):
+        for group, rsize in self._groups(block):
             items = []
             for r, pl in group:
                 word = self._words.get(r.instr)
@@ -435,7 +741,7 @@ class FpgaTarget(Target):
                         self._words.clear()
                     self._words[r.instr] = word
                 items.append((r.index, word, pl))
-            f = self._transact(P.EXEC, P.pack_exec(items), P.READBACK)
+            f = self._transact(P.EXEC, P.pack_exec(items), P.READBACK, reply_size=4 + rsize)
             try:
                 rbs = P.unpack_readback(f.payload)
             except P.ProtocolError as e:
@@ -467,7 +773,7 @@ class FpgaTarget(Target):
 
     def read_row(self, ch: int, bank: int, row: int) -> np.ndarray:
         d = self._check_bank(ch, bank)
-        f = self._transact(P.READ_MEM, P.pack_read_mem(row, (ch * d.banks + bank) * d.cols, d.cols), P.MEM_DATA)
+        f = self._transact(P.READ_MEM, P.pack_read_mem(row, (ch * d.banks + bank) * d.cols, d.cols), P.MEM_DATA, reply_size=2 * d.cols)
         if len(f.payload) != 2 * d.cols:
             raise LinkError(f"protocol violation: READ_MEM of {d.cols} elements returned {len(f.payload)} bytes")
         return np.frombuffer(f.payload, dtype="<u2").astype(np.uint16)
@@ -481,7 +787,7 @@ class FpgaTarget(Target):
 
     def status(self) -> dict:
         """The board's STATUS counters (one round trip)."""
-        st = P.unpack_status(self._transact(P.STATUS, b"", P.STATUS_REPLY).payload)
+        st = P.unpack_status(self._transact(P.STATUS, b"", P.STATUS_REPLY, reply_size=32).payload)
         st["state"] = P.STATE_NAMES.get(st["state"], st["state"])
         st["last_error"] = P.ERROR_NAMES.get(st["last_error"], st["last_error"])
         return st
@@ -492,11 +798,12 @@ class FpgaTarget(Target):
     def stats(self) -> dict:
         link = dict(self.link)
         link["wire_efficiency"] = round(link["payload_tx"] / link["bytes_tx"], 4) if link["bytes_tx"] else None
+        link["fragment_budget"] = {"now": self.budget, "min": self.budget_min_seen, "max": self.budget_max}
         out = {"instructions": dict(self._counts), "link": link, "port": self.url or self.port, "baud": self.baud}
         if self.proc is not None or (self.port is None and self.url):
             out["emulator"] = {"device": self.device_name, "faults": self.faults or "none", "rtl": self.rtl}
         if self.load_bytes:
             out["load"] = {"bytes": self.load_bytes, "seconds": round(self.load_seconds, 3), "MB_per_s": round(self.load_bytes / max(self.load_seconds, 1e-9) / 1e6, 2)}
         if self.info:
-            out["board"] = {"name": self.info.get("board"), "backend": self.info.get("backend"), "max_payload": self.max_payload}
+            out["board"] = {"name": self.info.get("board"), "backend": self.info.get("backend"), "max_payload": self.max_payload, "max_message": self.max_message}
         return out

@@ -27,10 +27,13 @@ from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Instr, Op
 from nhil.targets.base import DEVICE_OPS, ResolvedInstr
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
-from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, Bad, Deframer, Frame, encode_frame
+from nhil.targets.fpga.fragment import Reassembler, ReassemblyError, ReplyBuffer
+from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, END, Bad, Deframer, Frame, encode_frame
 from nhil.targets.sim.device import PimState
 
 MAX_RESERVE_ROWS = 1024  # cap on the row pre-allocation a LOAD_PROGRAM hint may ask for
+DEFAULT_MAX_MESSAGE = 1 << 20  # reassembly / reply buffer of the emulated board (bytes)
+_END_B = bytes([END])
 
 
 class ReqError(Exception):
@@ -147,19 +150,22 @@ class RtlBackend(SimBackend):
 
 
 class Board:
-    """Device side of protocol v1 (``docs/link-protocol.md``).
+    """Device side of protocol v2 (``docs/link-protocol.md``).
 
     Args:
         device: the device config served.
         faults: fault injection spec (applied to received and sent bytes).
         rtl: execute on the RTL target instead of the simulator.
-        max_payload: largest payload accepted/sent per frame.
+        max_payload: largest payload accepted/sent per frame (bytes).
+        max_message: largest request reassembled from fragments, and largest reply (bytes).
         log: where to report rejected frames and errors (``None``: silent).
     """
 
-    def __init__(self, device: DeviceConfig, faults: FaultSpec | None = None, rtl: bool = False, max_payload: int = DEFAULT_MAX_PAYLOAD, log=None) -> None:
+    def __init__(self, device: DeviceConfig, faults: FaultSpec | None = None, rtl: bool = False, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 max_message: int = DEFAULT_MAX_MESSAGE, log=None) -> None:
         self.d = device
         self.max_payload = max_payload
+        self.max_message = max(max_message, max_payload)
         self.rtl = rtl
         self.faults = faults or FaultSpec()
         self.inj = FaultInjector(self.faults)
@@ -176,6 +182,8 @@ class Board:
         self.nonce = int.from_bytes(os.urandom(4), "little") or 1
         self.backend.reset()
         self.deframer = Deframer(self.max_payload)
+        self.reasm = Reassembler(self.max_message)
+        self.replies = ReplyBuffer()
         self.session = False
         self.cache: tuple[int, int, int, bytes] | None = None  # seq, req type, reply type, reply payload
         self.state = 0
@@ -210,7 +218,16 @@ class Board:
                 self.deframer.synced = True
 
     def _send(self, send, type_: int, seq: int, payload: bytes = b"", flags: int = 0) -> None:
-        send(self.inj.tx(encode_frame(type_, flags, seq, self.nonce, payload)))
+        # the extra END closes the frame even if its last END is lost on the line
+        send(self.inj.tx(encode_frame(type_, flags, seq, self.nonce, payload) + _END_B))
+
+    def _reply(self, send, seq: int, rtype: int, rpayload: bytes, split: bool, flags: int = 0) -> None:
+        """Send a reply inline, or (request flagged F_SPLIT_REPLY, payload over INLINE_REPLY_MAX) as REPLY_HEAD for FETCH."""
+        if split and len(rpayload) > P.INLINE_REPLY_MAX:
+            self.replies.set(rtype, rpayload)
+            self._send(send, P.REPLY_HEAD, seq, P.pack_reply_head(rtype, len(rpayload), self.replies.crc), flags)
+        else:
+            self._send(send, rtype, seq, rpayload, flags)
 
     # ------------------------------------------------------------ requests
     def handle(self, f: Frame, send) -> None:
@@ -228,18 +245,44 @@ class Board:
                 return
             self.session = True
             self.cache = None
-            self._send(send, P.HELLO_REPLY, f.seq, P.pack_hello_reply(self.nonce, self.max_payload))
+            self.reasm.clear()
+            self.replies = ReplyBuffer()
+            self._send(send, P.HELLO_REPLY, f.seq, P.pack_hello_reply(self.nonce, self.max_payload, self.max_message))
             return
         if not self.session or f.nonce != self.nonce:
             why = "no session since power-up" if not self.session else f"request carries session nonce 0x{f.nonce:08x}"
             self._error(send, f.seq, P.E_SESSION, f"HELLO needed: {why}; board session nonce is 0x{self.nonce:08x} (the board was reset?)")
             return
+        split = bool(f.flags & P.F_SPLIT_REPLY)
+        if f.type == P.FETCH:  # read-only: never cached, always answered afresh (a retry may ask for fewer bytes)
+            try:
+                off, mx = P.unpack_fetch(f.payload)
+                data = self.replies.fetch(off, min(mx, self.max_payload - P.DATA_HEADER))
+            except P.ProtocolError as e:
+                self._error(send, f.seq, P.E_BAD_LENGTH, str(e))
+                return
+            except ReassemblyError as e:
+                self._error(send, f.seq, e.code, str(e))
+                return
+            self._send(send, P.REPLY_DATA, f.seq, P.pack_reply_data(off, data))
+            return
+        if f.type == P.MSG_QUERY:  # read-only, never cached: where the open message stands
+            if f.payload:
+                self._error(send, f.seq, P.E_BAD_LENGTH, f"MSG_QUERY takes no payload, got {len(f.payload)} bytes")
+                return
+            self._send(send, P.FRAG_ACK, f.seq, P.pack_frag_ack(self.reasm.received, self.reasm.total))
+            return
         if self.cache is not None and self.cache[0] == f.seq and self.cache[1] == f.type:
             self.counters["duplicates"] += 1
-            self._send(send, self.cache[2], f.seq, self.cache[3], P.F_RETX)
+            self._reply(send, f.seq, self.cache[2], self.cache[3], split, P.F_RETX)
             return
         try:
-            rtype, rpayload = self._dispatch(f, send)
+            rtype, rpayload = self._dispatch_msg(f, send)
+        except ReassemblyError as e:
+            rtype, rpayload = P.ERROR, P.pack_error(e.code, str(e))
+            self.counters["errors"] += 1
+            self.counters["last_error"] = e.code
+            self._log(f"seq {f.seq} {P.NAMES.get(f.type)}: {P.ERROR_NAMES.get(e.code)} {e}")
         except ReqError as e:
             rtype, rpayload = P.ERROR, P.pack_error(e.code, str(e))
             self.counters["errors"] += 1
@@ -254,10 +297,29 @@ class Board:
             self.counters["errors"] += 1
             self.counters["last_error"] = P.E_INTERNAL
             self._log(f"internal error on seq {f.seq}: {type(e).__name__}: {e}")
-        if len(rpayload) > self.max_payload:
-            rtype, rpayload = P.ERROR, P.pack_error(P.E_OVERSIZE, f"reply of {len(rpayload)} bytes exceeds max payload {self.max_payload}; split the request")
+        if len(rpayload) > (self.max_message if split else self.max_payload):
+            rtype, rpayload = P.ERROR, P.pack_error(P.E_OVERSIZE, f"reply of {len(rpayload)} bytes exceeds the board's max " + (
+                f"message {self.max_message}; split the request" if split else f"payload {self.max_payload}; flag the request F_SPLIT_REPLY or split it"))
         self.cache = (f.seq, f.type, rtype, rpayload)
-        self._send(send, rtype, f.seq, rpayload)
+        self._reply(send, f.seq, rtype, rpayload, split)
+
+    def _dispatch_msg(self, f: Frame, send) -> tuple[int, bytes]:
+        """MSG_BEGIN / MSG_DATA / MSG_ZERO feed the reassembler; a completed message is dispatched as its inner request."""
+        if f.type == P.MSG_BEGIN:
+            inner, total, crc, data = P.unpack_msg_begin(f.payload)
+            if inner not in P.INNER_REQUESTS:
+                raise ReqError(P.E_FRAGMENT, f"message type 0x{inner:02x} cannot travel as a fragmented message")
+            done = self.reasm.begin(inner, total, crc, data)
+        elif f.type == P.MSG_DATA:
+            done = self.reasm.data(*P.unpack_msg_data(f.payload))
+        elif f.type == P.MSG_ZERO:
+            done = self.reasm.zero(*P.unpack_msg_zero(f.payload))
+        else:
+            return self._dispatch(f, send)
+        if done is None:
+            return P.FRAG_ACK, P.pack_frag_ack(self.reasm.received, self.reasm.total)
+        inner, payload = done
+        return self._dispatch(Frame(inner, f.flags, f.seq, f.nonce, payload), send)
 
     def _error(self, send, seq: int, code: int, msg: str) -> None:
         self.counters["errors"] += 1
@@ -284,6 +346,7 @@ class Board:
                 "formats": ["bf16"],
                 "device": dataclasses.asdict(d),
                 "max_payload": self.max_payload,
+                "max_message": self.max_message,
                 "board": "nhil-fpga-emu",
                 "backend": self.backend.name,
             }
@@ -320,8 +383,8 @@ class Board:
         if t == P.READ_MEM:
             row, off, count = P.unpack_read_mem(p)
             self._check_range(row, off, count)
-            if 2 * count > self.max_payload:
-                raise ReqError(P.E_OVERSIZE, f"READ_MEM of {count} elements exceeds max payload {self.max_payload} bytes")
+            if 2 * count > (self.max_message if f.flags & P.F_SPLIT_REPLY else self.max_payload):
+                raise ReqError(P.E_OVERSIZE, f"READ_MEM of {count} elements exceeds the board's max reply size")
             return P.MEM_DATA, self.backend.read(row, off, count).astype("<u2").tobytes()
         if t == P.LOAD_END:
             nbytes, nwrites, crc = P.unpack_load_end(p)

@@ -1,4 +1,4 @@
-"""Messages of the FPGA link protocol v1 (``docs/link-protocol.md`` sections 3-5).
+"""Messages of the FPGA link protocol v2 (``docs/link-protocol.md`` sections 3-6).
 
 Payload layouts are little-endian. Parsers raise :class:`ProtocolError` on any
 inconsistency (short payload, trailing bytes, counts that do not add up); the device
@@ -13,7 +13,7 @@ import numpy as np
 
 from nhil.isa.instr import OPINFO, WORD_BYTES, Op
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 ISA_VERSION = 0
 
 # ----------------------------------------------------------------- message types
@@ -26,6 +26,11 @@ LOAD_PROGRAM = 0x06
 LOAD_END = 0x07
 EXEC = 0x08
 STATUS = 0x09
+MSG_BEGIN = 0x0A
+MSG_DATA = 0x0B
+MSG_ZERO = 0x0C
+FETCH = 0x0D
+MSG_QUERY = 0x0E
 
 ACK = 0x80
 HELLO_REPLY = 0x81
@@ -34,18 +39,26 @@ MEM_DATA = 0x85
 READBACK = 0x88
 STATUS_REPLY = 0x89
 ACCEPTED = 0x8A
+FRAG_ACK = 0x8B
+REPLY_HEAD = 0x8C
+REPLY_DATA = 0x8D
 NAK = 0xFE
 ERROR = 0xFF
 
-REQUESTS = {HELLO, INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS}
+REQUESTS = {HELLO, INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS, MSG_BEGIN, MSG_DATA, MSG_ZERO, FETCH, MSG_QUERY}
+INNER_REQUESTS = {INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS}  # may travel as a fragmented message
 NAMES = {
     HELLO: "HELLO", INFO: "INFO", RESET: "RESET", WRITE_MEM: "WRITE_MEM", READ_MEM: "READ_MEM", LOAD_PROGRAM: "LOAD_PROGRAM",
     LOAD_END: "LOAD_END", EXEC: "EXEC", STATUS: "STATUS", ACK: "ACK", HELLO_REPLY: "HELLO_REPLY", INFO_REPLY: "INFO_REPLY",
     MEM_DATA: "MEM_DATA", READBACK: "READBACK", STATUS_REPLY: "STATUS_REPLY", ACCEPTED: "ACCEPTED", NAK: "NAK", ERROR: "ERROR",
+    MSG_BEGIN: "MSG_BEGIN", MSG_DATA: "MSG_DATA", MSG_ZERO: "MSG_ZERO", FETCH: "FETCH", MSG_QUERY: "MSG_QUERY", FRAG_ACK: "FRAG_ACK", REPLY_HEAD: "REPLY_HEAD",
+    REPLY_DATA: "REPLY_DATA",
 }
 
 # header flags
 F_RETX = 0x01  # host: this is a retransmission; device: this reply comes from the reply cache
+F_SPLIT_REPLY = 0x02  # host: send a reply longer than INLINE_REPLY_MAX as REPLY_HEAD + FETCH
+INLINE_REPLY_MAX = 32  # largest reply payload sent inline to a request flagged F_SPLIT_REPLY
 
 # ----------------------------------------------------------------- error codes (ERROR and NAK)
 E_CRC = 1
@@ -61,10 +74,12 @@ E_STATE = 10
 E_LOAD_CHECK = 11
 E_BAD_INSTR = 12
 E_INTERNAL = 13
+E_FRAGMENT = 14
+E_MSG_CRC = 15
 ERROR_NAMES = {
     E_CRC: "E_CRC", E_FRAMING: "E_FRAMING", E_OVERSIZE: "E_OVERSIZE", E_UNKNOWN_TYPE: "E_UNKNOWN_TYPE", E_BAD_LENGTH: "E_BAD_LENGTH",
     E_SESSION: "E_SESSION", E_VERSION: "E_VERSION", E_ADDRESS: "E_ADDRESS", E_RUN: "E_RUN", E_STATE: "E_STATE",
-    E_LOAD_CHECK: "E_LOAD_CHECK", E_BAD_INSTR: "E_BAD_INSTR", E_INTERNAL: "E_INTERNAL",
+    E_LOAD_CHECK: "E_LOAD_CHECK", E_BAD_INSTR: "E_BAD_INSTR", E_INTERNAL: "E_INTERNAL", E_FRAGMENT: "E_FRAGMENT", E_MSG_CRC: "E_MSG_CRC",
 }
 
 # readback element types
@@ -84,7 +99,7 @@ def _need(buf: bytes, n: int, what: str) -> None:
 
 # ----------------------------------------------------------------- HELLO
 _HELLO = struct.Struct("<HHI")  # proto, isa, host nonce
-_HELLO_R = struct.Struct("<HHIII")  # proto, isa, board nonce, max_payload, reserved
+_HELLO_R = struct.Struct("<HHIII")  # proto, isa, board nonce, max_payload, max_message
 
 
 def pack_hello(host_nonce: int) -> bytes:
@@ -96,13 +111,92 @@ def unpack_hello(p: bytes) -> tuple[int, int, int]:
     return _HELLO.unpack(p)
 
 
-def pack_hello_reply(board_nonce: int, max_payload: int) -> bytes:
-    return _HELLO_R.pack(PROTOCOL_VERSION, ISA_VERSION, board_nonce, max_payload, 0)
+def pack_hello_reply(board_nonce: int, max_payload: int, max_message: int) -> bytes:
+    return _HELLO_R.pack(PROTOCOL_VERSION, ISA_VERSION, board_nonce, max_payload, max_message)
 
 
-def unpack_hello_reply(p: bytes) -> tuple[int, int, int, int]:
+def unpack_hello_reply(p: bytes) -> tuple[int, int, int, int, int]:
+    """(protocol, isa, board nonce, max payload, max message)."""
     _need(p, _HELLO_R.size, "HELLO_REPLY")
-    return _HELLO_R.unpack(p)[:4]
+    return _HELLO_R.unpack(p)
+
+
+# ----------------------------------------------------------------- fragmentation (section 6)
+_BEGIN = struct.Struct("<BxxxII")  # inner type, reserved, total bytes, crc32 of the whole
+_OFF = struct.Struct("<I")  # MSG_DATA / REPLY_DATA offset
+_ZERO = struct.Struct("<II")  # MSG_ZERO offset, count
+_FETCH = struct.Struct("<II")  # offset, max bytes
+_FACK = struct.Struct("<II")  # received, total
+_RHEAD = struct.Struct("<BxxxII")  # reply type, reserved, total bytes, crc32
+BEGIN_HEADER = _BEGIN.size  # 12
+DATA_HEADER = _OFF.size  # 4
+
+
+def pack_msg_begin(inner: int, total: int, crc: int, data: bytes = b"") -> bytes:
+    return _BEGIN.pack(inner, total, crc) + data
+
+
+def unpack_msg_begin(p: bytes) -> tuple[int, int, int, bytes]:
+    """(inner type, total, crc, first data bytes)."""
+    if len(p) < _BEGIN.size:
+        raise ProtocolError(f"MSG_BEGIN payload is {len(p)} bytes, needs at least {_BEGIN.size}")
+    return (*_BEGIN.unpack_from(p, 0), p[_BEGIN.size :])
+
+
+def pack_msg_data(offset: int, data: bytes) -> bytes:
+    return _OFF.pack(offset) + data
+
+
+def unpack_msg_data(p: bytes) -> tuple[int, bytes]:
+    if len(p) < _OFF.size + 1:
+        raise ProtocolError(f"MSG_DATA payload is {len(p)} bytes, needs an offset and at least one data byte")
+    return _OFF.unpack_from(p, 0)[0], p[_OFF.size :]
+
+
+def pack_msg_zero(offset: int, count: int) -> bytes:
+    return _ZERO.pack(offset, count)
+
+
+def unpack_msg_zero(p: bytes) -> tuple[int, int]:
+    _need(p, _ZERO.size, "MSG_ZERO")
+    return _ZERO.unpack(p)
+
+
+def pack_fetch(offset: int, max_bytes: int) -> bytes:
+    return _FETCH.pack(offset, max_bytes)
+
+
+def unpack_fetch(p: bytes) -> tuple[int, int]:
+    _need(p, _FETCH.size, "FETCH")
+    return _FETCH.unpack(p)
+
+
+def pack_frag_ack(received: int, total: int) -> bytes:
+    return _FACK.pack(received, total)
+
+
+def unpack_frag_ack(p: bytes) -> tuple[int, int]:
+    _need(p, _FACK.size, "FRAG_ACK")
+    return _FACK.unpack(p)
+
+
+def pack_reply_head(type_: int, total: int, crc: int) -> bytes:
+    return _RHEAD.pack(type_, total, crc)
+
+
+def unpack_reply_head(p: bytes) -> tuple[int, int, int]:
+    _need(p, _RHEAD.size, "REPLY_HEAD")
+    return _RHEAD.unpack(p)
+
+
+def pack_reply_data(offset: int, data: bytes) -> bytes:
+    return _OFF.pack(offset) + data
+
+
+def unpack_reply_data(p: bytes) -> tuple[int, bytes]:
+    if len(p) < _OFF.size + 1:
+        raise ProtocolError(f"REPLY_DATA payload is {len(p)} bytes, needs an offset and at least one data byte")
+    return _OFF.unpack_from(p, 0)[0], p[_OFF.size :]
 
 
 # ----------------------------------------------------------------- memory
