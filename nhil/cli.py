@@ -245,12 +245,14 @@ def targets() -> None:
 @app.command()
 def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: int = typer.Option(8), output: Path = typer.Option(Path("runs/bench.json")),
           configs: str = typer.Option("llama3-8b,mixtral-8x7b,qwen3-30b-a3b", "--configs", help="shape-only configs timed on the device model"),
-          gpu_gbs: float = typer.Option(3350.0, "--gpu-gbs", help="GPU HBM bandwidth of the roofline baseline, GB/s")) -> None:
-    """Benchmark table: wall time vs export/eager, modelled tokens/s and bandwidth vs peak and rooflines."""
+          gpu_gbs: float = typer.Option(3350.0, "--gpu-gbs", help="GPU HBM bandwidth of the roofline baseline, GB/s"),
+          ablation: str = typer.Option("smollm2-135m,llama3-8b", "--ablation", help="shape-only configs for the scheduling-pass ablation (llama3-8b adds the device-parameter study)")) -> None:
+    """Benchmark table: wall time vs export/eager, modelled tokens/s and bandwidth vs peak and rooflines, pass ablation."""
     try:
         from nhil.bench import run_bench
 
-        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()])
+        run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()],
+                  ablation=[c.strip() for c in ablation.split(",") if c.strip()])
     except NhilError as e:
         _fail(e)
 

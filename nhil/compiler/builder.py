@@ -13,6 +13,13 @@ row allocator of the banks, and the GEMV placement and instruction sequence
   buffer (WR_GB, skipped when it already holds it) and issue one all-bank MAC_AB per
   row-group; finally read each accumulator back (RD_ACC). So every output is the sum of
   its K products in burst order, exactly the contract of ``nhil.numerics.mac``.
+
+The GEMV emission honours the lower-stage scheduling passes in effect
+(``nhil.compiler.schedule.lowering_passes``, all on by default): without
+``row-locality`` each chunk's MACs are cut into column pieces interleaved across
+accumulators, without ``vector-reuse`` the chunk is re-broadcast before every MAC, without
+``handoff-batch`` every GEMV ends with a SYNC (the naive baseline of
+``docs/timing-model.md``). None of this changes a computed value.
 """
 
 from __future__ import annotations
@@ -75,6 +82,9 @@ class ProgramBuilder:
         self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
         self._wfmt = 0  # CFR W_FMT value in effect (0 = bf16, the reset value)
         self._want_wfmt = 0  # W_FMT the next MAC needs (gemv of a quantized matrix sets it)
+        from nhil.compiler.schedule import lowering_passes
+
+        self.passes = lowering_passes()  # scheduling passes in effect (nhil.compiler.schedule)
 
     # ------------------------------------------------------------ tables
     def buffer(self, name: str, size: int) -> str:
@@ -251,18 +261,29 @@ class ProgramBuilder:
         chunks = p.chunks
         groups = list(range(len(p.rows)))
         self._want_wfmt = p.fmt_code
+        from nhil.compiler.schedule import NAIVE_PIECES
+
+        locality = "row-locality" in self.passes or p.fmt_code != 0  # quantized rows are decoded whole
+        reuse = "vector-reuse" in self.passes
         for b0 in range(0, len(groups), d.accumulators):
             batch = groups[b0 : b0 + d.accumulators]
             for k, g in enumerate(batch):
                 self.emit(Op.WR_ACC, k=k, col=0, n=d.slots, operand=self.operand(ZEROS, 0, d.slots))
             for j, (s, ln) in enumerate(chunks):
-                self.write_gb(x, x_off + s, ln)
-                for k, g in enumerate(batch):
-                    self.emit(Op.MAC_AB, row=p.rows[g][j], col=0, n=math.ceil(ln / d.lanes), k=k)
+                nb = math.ceil(ln / d.lanes)
+                step = nb if locality else max(1, math.ceil(nb / NAIVE_PIECES))
+                for c0 in range(0, nb, step):
+                    for k, g in enumerate(batch):
+                        if not reuse:
+                            self.invalidate_gb()
+                        self.write_gb(x, x_off + s, ln)
+                        self.emit(Op.MAC_AB, row=p.rows[g][j], col=c0, n=min(step, nb - c0), k=k)
             for k, g in enumerate(batch):
                 cnt = min(d.slots, p.n_out - g * d.slots)
                 self.emit(Op.RD_ACC, k=k, col=0, n=cnt, operand=self.operand(y, y_off + g * d.slots, cnt))
         self._want_wfmt = 0
+        if "handoff-batch" not in self.passes:
+            self.sync()  # naive baseline: one host/PIM hand-off per GEMV
 
     # ------------------------------------------------------------ finish
     def finish(self, io: dict, info: dict) -> Program:
