@@ -231,3 +231,17 @@ def test_each_pass_does_not_slow_the_modelled_step_cumulatively():
     cyc = [analyze(PassManager(PIPELINE[:i]).compile(compile_shape_only, "smollm2-135m", max_cache_len=128))["cycles_per_token"] for i in range(len(PIPELINE) + 1)]
     assert all(b <= a for a, b in itertools.pairwise(cyc)), cyc
     assert cyc[0] / cyc[-1] > 1.5
+
+
+def test_passes_keep_moe_expert_subprograms_bit_identical():
+    """Mixtral (tiny): expert sub-programs are bounded by HOST markers; baseline and full pipeline decode bit-identically to the default program."""
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.models import get_model
+
+    ep, _ = export_decode(get_model("mixtral").model, 16)
+    gm = raise_graph(ep, "decode").gm
+    ref = _run(lower_decode_graph(gm, DEVICE_PRESETS["aim-like"], model_name="mixtral"))
+    for passes in ((), PIPELINE):
+        prog = PassManager(passes).compile(lower_decode_graph, gm, DEVICE_PRESETS["aim-like"], model_name="mixtral")
+        _same(ref, _run(prog))
