@@ -13,6 +13,10 @@ baseline* is the program compiled with none of them, and the default pipeline
 
 Passes (in pipeline order) and what their absence means:
 
+* ``bank-spread`` (lower): a bf16 weight matrix's output rows go to every slot of the
+  device (slot ``o % slots``: all channels x all banks MAC at once). Baseline: the
+  matrix fills channel 0's banks row after row (``banks`` outputs per row-group; MAC_AB,
+  WR_ACC and RD_ACC address channel 0 only), as a plain DRAM allocation would.
 * ``row-locality`` (lower): each all-bank MAC_AB streams a whole row chunk, so every row
   is activated once per GEMV. Baseline: each chunk's MACs are cut into
   :data:`NAIVE_PIECES` column pieces interleaved across the batch's accumulators
@@ -38,7 +42,7 @@ Passes (in pipeline order) and what their absence means:
 Numerics: no pass changes any value. Every accumulator receives the same bursts (rows,
 columns, global-buffer contents) in the same order (a MAC of ``n`` bursts accumulates
 burst by burst, ``nhil.numerics.mac.mac_bursts``, so cutting it into column pieces is
-exact), and placement (rows, slots) is unchanged; outputs are **bit-identical** for every
+exact), and the placement only moves whole output rows between slots; outputs are **bit-identical** for every
 subset of passes (``tests/test_schedule.py`` runs llama-tiny on the simulator).
 """
 
@@ -235,6 +239,7 @@ class PassInfo:
 
 
 PASS_INFO: dict[str, PassInfo] = {
+    "bank-spread": PassInfo("bank-spread", "lower", "weights over every channel x bank: all banks MAC", "a matrix fills channel 0's banks row after row (single-channel MACs)"),
     "row-locality": PassInfo("row-locality", "lower", "one activate per row: each MAC_AB streams a whole row chunk", "MACs cut into column pieces interleaved across accumulators (each row activated per piece)"),
     "vector-reuse": PassInfo("vector-reuse", "program", "one GB broadcast of the input chunk serves every accumulator", "input chunk re-broadcast (WR_GB) before every MAC_AB", vector_reuse),
     "handoff-batch": PassInfo("handoff-batch", "program", "SYNC only where the host needs read-back data", "one host/PIM hand-off (SYNC) after every GEMV", handoff_batch),

@@ -598,11 +598,12 @@ class TimingEngine:
                 else:
                     if seg.kind != "attn":
                         seg.kind = "gemv"
-                    u = mac_useful_elems(self.row_useful.get(ins.row), ins.col, ins.n, self.d.lanes)
+                    rect = self.row_useful.get(ins.row)
+                    if rect is not None and not ins.flags & ALL_CH:  # used slots of this channel (rows are filled from slot 0)
+                        rect = (max(0, min(self.d.banks, rect[0] - ins.ch * self.d.banks)), rect[1])
+                    u = mac_useful_elems(rect, ins.col, ins.n, self.d.lanes)
                     if op is Op.MAC_SB:
-                        u = u // self.d.slots
-                    elif not ins.flags & ALL_CH:
-                        u = u // self.d.channels
+                        u = u // self.d.banks
                     seg.useful_bytes += 2 * u
             elif seg.kind == "idle":
                 seg.kind = "other"
