@@ -51,24 +51,71 @@ def _row(label: str, passes: list[str], rep: dict, seconds: float) -> dict:
     }
 
 
-def ablation(config: str, max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS, device: str = "aim-like") -> dict:
-    """Time ``config`` (a ``nhil.compiler.shape_only.CONFIGS`` name) under every :func:`pass_sets` variant.
+EXTRAPOLATE_LAYERS = 8  # configs with more layers time bank-spread-off variants from 1- and 2-layer programs
 
-    Returns:
-        ``{"config", "device", "rows": [per-variant dict (see :func:`_row`)]}``; cycles are
-        command-clock cycles, bandwidths GB/s over the GEMV segments.
+
+def _layers_extrapolated(cfg, passes: list[str], device: str, max_cache_len: int, gpu_gbs: float) -> dict:
+    """Report of ``cfg`` under ``passes`` from its 1- and 2-layer versions: every figure ``f(L) = f(1) + (L-1)(f(2) - f(1))``.
+
+    The layers of a decode step have the same shapes and instruction stream, so cycles,
+    GEMV cycles/bytes and host cycles are linear in the layer count up to refresh phase.
+    Used for variants whose full program is too large to time here (naive placement
+    without ``bank-spread``: 32x the instructions; Llama-3-8B: ~4M instructions).
     """
     from nhil.compiler.schedule import PassManager
     from nhil.compiler.shape_only import compile_shape_only
 
+    reps = [analyze(PassManager(passes).compile(compile_shape_only, dataclasses.replace(cfg, num_hidden_layers=n), device=device, max_cache_len=max_cache_len), gpu_gbs=gpu_gbs) for n in (1, 2)]
+    L = cfg.num_hidden_layers
+
+    def lin(f):
+        a, b = f(reps[0]), f(reps[1])
+        return a + (L - 1) * (b - a)
+
+    r1 = reps[1]
+    cyc = int(round(lin(lambda r: r["cycles_per_token"])))
+    host = lin(lambda r: r["host_and_sync_fraction"] * r["cycles_per_token"])
+    g_cyc = lin(lambda r: r["gemv"]["cycles"])
+    g_bytes = lin(lambda r: r["gemv"]["useful_bytes"])
+    T_ns = 1e9 / r1["tokens_per_s"] / r1["cycles_per_token"]  # tCK in ns
+    ach = g_bytes / (g_cyc * T_ns)
+    g = dict(r1["gemv"], cycles=g_cyc, useful_bytes=g_bytes, achieved_gbs=ach, achieved_of_peak=ach / r1["gemv"]["peak_gbs"], achieved_of_best=ach / r1["gemv"]["best_gbs"])
+    return dict(r1, cycles_per_token=cyc, tokens_per_s=1e9 / (cyc * T_ns), host_and_sync_fraction=host / cyc, gemv=g, acts=int(round(lin(lambda r: r["acts"]))), extrapolated_from_layers=[1, 2])
+
+
+def ablation(config: str, max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS, device: str = "aim-like") -> dict:
+    """Time ``config`` (a ``nhil.compiler.shape_only.CONFIGS`` name) under every :func:`pass_sets` variant.
+
+    Variants without ``bank-spread`` of configs with more than :data:`EXTRAPOLATE_LAYERS`
+    layers are timed by :func:`_layers_extrapolated` (row ``how``); the full pipeline is
+    timed both ways and the relative difference is ``extrapolation_error``.
+
+    Returns:
+        ``{"config", "device", "rows": [per-variant dict (see :func:`_row`)], "extrapolation_error"}``;
+        cycles are command-clock cycles, bandwidths GB/s over the GEMV segments.
+    """
+    from nhil.compiler.schedule import PIPELINE, PassManager
+    from nhil.compiler.shape_only import CONFIGS, compile_shape_only
+
+    cfg = CONFIGS[config]
+    big = cfg.num_hidden_layers > EXTRAPOLATE_LAYERS
     rows = []
     dev = None
     for label, passes in pass_sets():
         t0 = time.perf_counter()
-        prog = PassManager(passes).compile(compile_shape_only, config, device=device, max_cache_len=max_cache_len)
-        dev = prog.device.name
-        rows.append(_row(label, passes, analyze(prog, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
-    return {"config": config, "device": dev, "max_cache_len": max_cache_len, "rows": rows}
+        if big and "bank-spread" not in passes:
+            rep, how = _layers_extrapolated(cfg, passes, device, max_cache_len, gpu_gbs), "extrapolated (1, 2 layers)"
+        else:
+            prog = PassManager(passes).compile(compile_shape_only, config, device=device, max_cache_len=max_cache_len)
+            dev = prog.device.name
+            rep, how = analyze(prog, gpu_gbs=gpu_gbs), "measured"
+        rows.append(dict(_row(label, passes, rep, time.perf_counter() - t0), how=how))
+    err = None
+    if big:
+        full = next(r for r in rows if r["passes"] == list(PIPELINE))
+        ex = _layers_extrapolated(cfg, list(PIPELINE), device, max_cache_len, gpu_gbs)
+        err = ex["cycles_per_token"] / full["cycles_per_token"] - 1.0
+    return {"config": config, "device": dev, "max_cache_len": max_cache_len, "rows": rows, "extrapolation_error": err}
 
 
 def row_size_device(row_bytes: int, base: str = "aim-like"):

@@ -383,16 +383,17 @@ class TimingEngine:
     def _act(self, s: Chan, bank: int, row: int, t0: int, idx: int, chans, base: int = 0) -> int:
         T = self.t
         banks = range(base, base + s.nb) if bank == ALL else (base + bank,)
-        t = max(t0, s.floor, s.ref_t + T.nRFC)
-        for b in banks:
-            t = max(t, s.pre_t[b] + T.nRP, s.act_t[b] + T.nRC)
-        if s.acts:
-            t = max(t, s.acts[-1] + T.nRRD)
-            if len(s.acts) >= 4:
-                t = max(t, s.acts[-4] + T.nFAW)
-        if self._ref_owed(s, t) >= T.max_ref_slack:
+        while True:  # refresh first while max_ref_slack are owed at the ACT's cycle
+            t = max(t0, s.floor, s.ref_t + T.nRFC)
+            for b in banks:
+                t = max(t, s.pre_t[b] + T.nRP, s.act_t[b] + T.nRC)
+            if s.acts:
+                t = max(t, s.acts[-1] + T.nRRD)
+                if len(s.acts) >= 4:
+                    t = max(t, s.acts[-4] + T.nFAW)
+            if self._ref_owed(s, t) < T.max_ref_slack:
+                break
             self._issue_ref(s, max(t0, s.floor), idx, chans)
-            return self._act(s, bank, row, t0, idx, chans, base)
         t = self._slot(s, t)
         for b in banks:
             s.act_t[b] = t
