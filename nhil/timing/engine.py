@@ -405,6 +405,20 @@ class TimingEngine:
         self._emit(s, t, ACT, bank, row, idx=idx, chans=chans)
         return t
 
+    def _buffer(self, s: Chan, ins: Instr) -> int:
+        """Row buffer an instruction's row uses (``row_buffers`` > 1): the one holding the row open, else the least recently activated."""
+        nb = s.nb
+        if ins.op is Op.MAC_AB or ins.op is Op.WR_ABK:
+            sel = range(nb)
+        elif ins.op in (Op.MAC_SB, Op.WR_SBK, Op.RD_SBK, Op.COPY_BK_GB, Op.COPY_GB_BK):
+            sel = (ins.bank,)
+        else:
+            return 0
+        for u in range(self.nbuf):
+            if all(s.open[u * nb + b] == ins.row for b in sel):
+                return u
+        return min(range(self.nbuf), key=lambda u: (max(s.act_t[u * nb + b] for b in sel), u))
+
     # ------------------------------------------------------------------ one instruction in one channel state
     def _run(self, s: Chan, ins: Instr, idx: int, ch: int, chans) -> int:
         """Schedule ``ins`` on state ``s`` (representing ``chans``); returns its completion cycle."""
@@ -412,7 +426,7 @@ class TimingEngine:
         if s.idle_from is not None:
             self._idle_refresh(s, chans)
         nb = s.nb
-        base = (ins.row % self.nbuf) * nb if self.nbuf > 1 else 0  # row buffer of the row (rows alternate buffers)
+        base = self._buffer(s, ins) * nb if self.nbuf > 1 else 0
         open_rows = s.open[base : base + nb]
         plan = unroll_instr(ins, self.d, ch, open_rows)
         end = s.floor

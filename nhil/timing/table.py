@@ -53,7 +53,8 @@ class TimingTable:
         host_op_ns: [assumed] fixed cost per host kernel call.
         ext_channel_gbs: external (host) bandwidth per channel in GB/s (16 Gb/s x 16 DQ).
         row_buffers: row buffers per bank (1 = DRAM as built). With 2 (a device-parameter
-            study, not a preset), row ``r`` opens in buffer ``r % 2`` and each buffer keeps
+            study, not a preset), a row opens in the buffer that holds it or else the least
+            recently activated one (the controller's choice), and each buffer keeps
             its own ACT/PRE timing (nRCD*, nRAS, nRP, nRC), so the next row activates while
             the current one streams; the channel's ACT spacing (nRRD, nFAW) and column
             spacing (nCCD) are shared. The legality checker knows one buffer only.
