@@ -220,14 +220,14 @@ def _ablation_table(ab: list[dict], study: dict | None):
         t.add_column(col)
     for a in ab:
         for i, r in enumerate(a["rows"]):
-            how = "" if r.get("how", "measured") == "measured" else f" [{r['how']}]"
+            how = "" if r.get("how", "measured") == "measured" else f" - {r['how']}"
             t.add_row(a["config"] if i == 0 else "", r["variant"] + how, f"{r['cycles_per_token']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['achieved_gbs']:,.0f}", f"{r['peak_gbs']:,.0f}",
                       f"{r['best_gbs']:,.0f}", f"{r['achieved_of_peak']:.3f}", f"{r['achieved_of_best']:.3f}", f"{r['host_and_sync_fraction']:.3f}")
         if a.get("extrapolation_error") is not None:
             t.add_row("", "(check: full pipeline extrapolated from 1, 2 layers vs measured)", f"{a['extrapolation_error']:+.4%}", "", "", "", "", "", "", "")
     if study:
         for i, r in enumerate(study["rows"]):
-            t.add_row(f"{study['config']} device" if i == 0 else "", f"{r['variant']} [{r['how']}]", f"{r['cycles_per_token']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['achieved_gbs']:,.0f}", f"{r['peak_gbs']:,.0f}",
+            t.add_row(f"{study['config']} device" if i == 0 else "", f"{r['variant']} - {r['how']}", f"{r['cycles_per_token']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['achieved_gbs']:,.0f}", f"{r['peak_gbs']:,.0f}",
                       f"{r['best_gbs']:,.0f}", f"bound {r['row_bound']:.3f}", f"{r['achieved_of_best']:.3f}", f"x{r['gain']:.2f} tok/s")
     return t
 
