@@ -10,8 +10,11 @@ Performance rows (``nhil.timing``, ``docs/timing-model.md``): for each real mode
 each shape-only config (``nhil.compiler.shape_only.CONFIGS``): modelled cycles and
 tokens/s per decode step, GEMV bandwidth achieved / timing-bound best / device peak, the
 rooflines (PIM peak, external-bandwidth-bound, GPU-HBM-bound with ``--gpu-gbs``) and
-the speed-ups, each before/after the scheduling passes, for a reordering controller and
-an in-order sequencer; plus the simulator's time with the timing model on vs off.
+the speed-ups, each before/after the program-stage scheduling passes, for a reordering
+controller and an in-order sequencer; plus the simulator's time with the timing model on
+vs off. The pass ablation (``nhil.timing.ablation``: naive baseline, each pass added,
+each removed; `llama` as the shape-only ``smollm2-135m`` config and ``llama3-8b``) and the
+device-parameter study print as a second table.
 
 Other targets add rows through :data:`ROW_PROVIDERS`: callables
 ``provider(result: dict) -> list[tuple[str, str, str, str, str]]`` (stage, value,
@@ -90,16 +93,15 @@ def _fpga_rows(r: dict) -> list:
 
 
 ROW_PROVIDERS += [_rtl_rows, _fpga_rows]
-PASSES = ["gemv-batch"]
 SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
 
 
 def perf_rows(prog, gpu_gbs: float) -> dict:
-    """Timing reports of ``prog`` before/after the scheduling passes, reordering and in-order controller."""
-    from nhil.compiler.schedule import apply_passes
+    """Timing reports of ``prog`` (as compiled) before/after the program-stage scheduling passes, reordering and in-order controller."""
+    from nhil.compiler.schedule import PassManager
     from nhil.timing.report import analyze
 
-    after = apply_passes(prog, PASSES)
+    after = PassManager().run(prog)
     out = {}
     for ctl, inorder in (("reordering", False), ("in-order", True)):
         t0 = time.perf_counter()
@@ -277,19 +279,47 @@ def _matrix_table_rows(t, m: dict) -> None:
         t.add_row("", "nightly matrix speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
 
 
-def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 3350.0, configs: list[str] | None = None,
-              matrix: dict | None = None) -> list[dict]:
-    """Benchmark ``models`` and shape-only ``configs``, print one table, save JSON to ``output`` (atomically).
+def _ablation_table(ab: list[dict], study: dict | None):
+    """The pass-ablation table (baseline, passes added cumulatively, each removed) and the device-parameter study."""
+    from rich.table import Table
 
+    t = Table(title="scheduling passes: modelled decode step per variant (shape-only, aim-like, docs/timing-model.md); GEMV bandwidths side by side")
+    for col in ("config", "variant", "cycles/token", "tokens/s", "achieved GB/s", "peak GB/s", "best GB/s", "of peak", "of best", "host+SYNC"):
+        t.add_column(col)
+    for a in ab:
+        for i, r in enumerate(a["rows"]):
+            how = "" if r.get("how", "measured") == "measured" else f" - {r['how']}"
+            t.add_row(a["config"] if i == 0 else "", r["variant"] + how, f"{r['cycles_per_token']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['achieved_gbs']:,.0f}", f"{r['peak_gbs']:,.0f}",
+                      f"{r['best_gbs']:,.0f}", f"{r['achieved_of_peak']:.3f}", f"{r['achieved_of_best']:.3f}", f"{r['host_and_sync_fraction']:.3f}")
+        if a.get("extrapolation_error") is not None:
+            t.add_row("", "(check: full pipeline extrapolated from 1, 2 layers vs measured)", f"{a['extrapolation_error']:+.4%}", "", "", "", "", "", "", "")
+    if study:
+        for i, r in enumerate(study["rows"]):
+            t.add_row(f"{study['config']} device" if i == 0 else "", f"{r['variant']} - {r['how']}", f"{r['cycles_per_token']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['achieved_gbs']:,.0f}", f"{r['peak_gbs']:,.0f}",
+                      f"{r['best_gbs']:,.0f}", f"bound {r['row_bound']:.3f}", f"{r['achieved_of_best']:.3f}", f"x{r['gain']:.2f} tok/s")
+    return t
+
+
+def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 3350.0, configs: list[str] | None = None, ablation: list[str] | None = None,
+              matrix: dict | None = None) -> list[dict]:
+    """Benchmark ``models``, shape-only ``configs`` and the pass ``ablation`` configs; print the tables, save JSON to ``output`` (atomically).
+
+    ``ablation`` defaults to :data:`nhil.timing.ablation.ABLATION_CONFIGS`; when it holds
+    ``llama3-8b`` the device-parameter study runs too. JSON: one entry per model/config,
+    then ``{"ablation": ...}`` entries and a ``{"device_study": ...}`` entry.
     ``matrix``: keyword arguments of :func:`bench_matrix` to also time the nightly matrix
     with 1 and 2 workers (its result is the JSON entry with ``"model": "nightly-matrix"``);
-    None skips it."""
+    None skips it.
+    """
     from rich.console import Console
     from rich.table import Table
 
+    from nhil.timing.ablation import ABLATION_CONFIGS, device_study
+    from nhil.timing.ablation import ablation as run_ablation
     from nhil.util import atomic_write_text
 
     configs = SHAPE_CONFIGS if configs is None else configs
+    ablation = list(ABLATION_CONFIGS) if ablation is None else ablation
     rows = []
     for m in models:
         print(f"[bench] {m} ...", file=sys.stderr, flush=True)
@@ -297,7 +327,17 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     for c in configs:
         print(f"[bench] {c} (shape-only) ...", file=sys.stderr, flush=True)
         rows.append(bench_shape_only(c, gpu_gbs))
-    t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PASSES)})")
+    ab = []
+    for c in ablation:
+        print(f"[bench] {c} pass ablation (shape-only) ...", file=sys.stderr, flush=True)
+        ab.append(run_ablation(c, gpu_gbs=gpu_gbs))
+    study = None
+    if "llama3-8b" in ablation:
+        print("[bench] llama3-8b device-parameter study ...", file=sys.stderr, flush=True)
+        study = device_study("llama3-8b", gpu_gbs=gpu_gbs)
+    from nhil.compiler.schedule import PIPELINE
+
+    t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PIPELINE)})")
     for col in ("model", "stage", "value", "ratio", "baseline / note"):
         t.add_column(col)
     for r in rows:
@@ -320,6 +360,9 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
         _matrix_table_rows(t, m)
         rows.append({"model": "nightly-matrix", "matrix": m})
     Console(width=160).print(t)
-    atomic_write_text(output, json.dumps(rows, indent=2, default=float))
+    if ab or study:
+        Console(width=180).print(_ablation_table(ab, study))
+    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else [])
+    atomic_write_text(output, json.dumps(out, indent=2, default=float))
     print(f"[bench] saved {output}", file=sys.stderr)
     return rows

@@ -74,6 +74,24 @@ def test_row_by_row_gemv_reaches_exactly_the_act_pre_bound():
     check_stream(e.commands(), D1, T0)
 
 
+def test_dual_row_buffers_stream_rows_back_to_back():
+    """Two row buffers (device-parameter study): the next row activates while the current one streams, so MAC bursts never pause at a row switch."""
+    T2 = T0.replace(row_buffers=2)
+    assert T2.mac_row_cycles(64) == max(2 * 64, -(-218 // 2), T0.nRRD) == 128
+    assert T2.row_bound_fraction(64) == 1.0
+    R = 12
+    e, st = run([mac(r, k=r % 4) for r in range(R)], T=T2)
+    cmds = e.commands()
+    macs = sorted(c.t for c in cmds if c.kind == "MAC")
+    assert macs == list(range(T0.nRCDRDMAC, T0.nRCDRDMAC + 2 * 64 * R, 2))  # one burst per nCCD from the first ACT's nRCDRDMAC on
+    assert st.cycles == T0.nRCDRDMAC + 2 * (64 * R - 1) + T0.nMACLAT
+    acts = {c.row: c.t for c in cmds if c.kind == "ACT"}
+    assert all(acts[r + 2] - acts[r] >= T0.nRC for r in range(R - 2))  # one buffer's ACT-to-ACT
+    assert all(acts[r + 1] < macs[64 * r + 63] for r in range(R - 1))  # row r+1 opened while row r streams
+    # one buffer (the preset): the same program pays ACT/PRE per row
+    assert run([mac(r, k=r % 4) for r in range(R)])[1].cycles == (R - 1) * 218 + T0.mac_latency_cycles(64)
+
+
 def test_refresh_is_inserted_and_legal_on_long_streams():
     R = 200  # 200 x 218 cycles > 8 x nREFI: refreshes cannot all be postponed
     e, st = run([mac(r % 64 + 1, k=r % 4) for r in range(R)])

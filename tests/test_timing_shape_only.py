@@ -40,3 +40,17 @@ def test_large_configs_compile_shape_only(name):
     if c.params_b:
         # every PIM matrix is placed: bf16 bytes within 10% of the parameter count minus a host-side embedding
         assert 0.8 * 2e9 * c.params_b < placed + 2 * c.vocab_size * c.hidden_size * (not c.tie_word_embeddings) + 1 < 1.1 * 2e9 * c.params_b
+
+
+def test_layer_extrapolation_matches_the_measured_program():
+    """The ablation's 1-/2-layer extrapolation (used for huge naive programs) reproduces a measured 4-layer program's cycles and GEMV bytes."""
+    from nhil.compiler.schedule import PIPELINE, PassManager
+    from nhil.timing.ablation import _layers_extrapolated
+    from nhil.timing.report import analyze
+
+    cfg = ShapeConfig("small", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096, head_dim=128)
+    for passes in (list(PIPELINE), [p for p in PIPELINE if p != "bank-spread"]):
+        measured = analyze(PassManager(passes).compile(compile_shape_only, cfg, max_cache_len=32))
+        ex = _layers_extrapolated(cfg, passes, "aim-like", 32, 3350.0)
+        assert ex["cycles_per_token"] == pytest.approx(measured["cycles_per_token"], rel=0.01)
+        assert ex["gemv"]["useful_bytes"] == measured["gemv"]["useful_bytes"]

@@ -13,6 +13,14 @@ row allocator of the banks, and the GEMV placement and instruction sequence
   buffer (WR_GB, skipped when it already holds it) and issue one all-bank MAC_AB per
   row-group; finally read each accumulator back (RD_ACC). So every output is the sum of
   its K products in burst order, exactly the contract of ``nhil.numerics.mac``.
+
+The GEMV emission honours the lower-stage scheduling passes in effect
+(``nhil.compiler.schedule.lowering_passes``, all on by default): without ``bank-spread``
+a bf16 matrix fills channel 0's banks only (``banks`` outputs per row-group, single-channel
+MAC_AB/WR_ACC/RD_ACC); without ``row-locality`` each chunk's MACs are cut into column pieces interleaved across
+accumulators, without ``vector-reuse`` the chunk is re-broadcast before every MAC, without
+``handoff-batch`` every GEMV ends with a SYNC (the naive baseline of
+``docs/timing-model.md``). None of this changes a computed value.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class MatrixPlacement:
     fmt: str = "bf16"
     fmt_code: int = 0
     nbytes: int = 0  # stored weight bytes (format headers/scales included)
+    width: int = 0  # outputs per row-group: 0 = every slot of the device; ``banks`` = channel 0 only (no ``bank-spread``)
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -75,6 +84,9 @@ class ProgramBuilder:
         self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
         self._wfmt = 0  # CFR W_FMT value in effect (0 = bf16, the reset value)
         self._want_wfmt = 0  # W_FMT the next MAC needs (gemv of a quantized matrix sets it)
+        from nhil.compiler.schedule import lowering_passes
+
+        self.passes = lowering_passes()  # scheduling passes in effect (nhil.compiler.schedule)
 
     # ------------------------------------------------------------ tables
     def buffer(self, name: str, size: int) -> str:
@@ -164,12 +176,13 @@ class ProgramBuilder:
         d = self.d
         chunk = min(d.cols, d.gb_elems)
         bits = f32_to_bf16_bits(w)
-        groups = math.ceil(n_out / d.slots)
+        width = self._width()
+        groups = math.ceil(n_out / width)
         nch = math.ceil(n_in / chunk)
         rows: list[list[int]] = []
         for g in range(groups):
             rg = []
-            o0, o1 = g * d.slots, min(n_out, (g + 1) * d.slots)
+            o0, o1 = g * width, min(n_out, (g + 1) * width)
             for j in range(nch):
                 r = self.alloc_rows(1, zero=False)
                 i0, i1 = j * chunk, min(n_in, (j + 1) * chunk)
@@ -178,9 +191,13 @@ class ProgramBuilder:
                 self.bank_images.append(BankImage(r, img.reshape(d.channels, d.banks, d.cols)))
                 rg.append(r)
             rows.append(rg)
-        p = MatrixPlacement(name, n_out, n_in, chunk, rows, nbytes=2 * n_out * n_in)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows, nbytes=2 * n_out * n_in, width=0 if width == d.slots else width)
         self.placements[name] = p
         return p
+
+    def _width(self) -> int:
+        """Outputs per row-group of a bf16 matrix: every slot (``bank-spread``) or channel 0's banks (naive baseline)."""
+        return self.d.slots if "bank-spread" in self.passes else self.d.banks
 
     def _place_shape_only(self, name: str, n_out: int, n_in: int) -> MatrixPlacement:
         """Hook for shape-only compilation: :meth:`place_matrix`'s bf16 placement without bank images.
@@ -192,14 +209,15 @@ class ProgramBuilder:
         chunk = min(d.cols, d.gb_elems)
         row_use = self.__dict__.setdefault("row_use", {})
         rows = []
-        for g in range(math.ceil(n_out / d.slots)):
+        width = self._width()
+        for g in range(math.ceil(n_out / width)):
             rg = []
             for j in range(math.ceil(n_in / chunk)):
                 r = self.alloc_rows(1, zero=False)
-                row_use[r] = (min(d.slots, n_out - g * d.slots), min(chunk, n_in - j * chunk))
+                row_use[r] = (min(width, n_out - g * width), min(chunk, n_in - j * chunk))
                 rg.append(r)
             rows.append(rg)
-        p = MatrixPlacement(name, n_out, n_in, chunk, rows, nbytes=2 * n_out * n_in)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows, nbytes=2 * n_out * n_in, width=0 if width == d.slots else width)
         self.placements[name] = p
         return p
 
@@ -251,18 +269,31 @@ class ProgramBuilder:
         chunks = p.chunks
         groups = list(range(len(p.rows)))
         self._want_wfmt = p.fmt_code
+        from nhil.compiler.schedule import NAIVE_PIECES
+
+        locality = "row-locality" in self.passes or p.fmt_code != 0  # quantized rows are decoded whole
+        reuse = "vector-reuse" in self.passes
+        width = p.width or d.slots
+        one = width != d.slots  # naive placement: channel 0 only
         for b0 in range(0, len(groups), d.accumulators):
             batch = groups[b0 : b0 + d.accumulators]
             for k, g in enumerate(batch):
-                self.emit(Op.WR_ACC, k=k, col=0, n=d.slots, operand=self.operand(ZEROS, 0, d.slots))
+                self.emit(Op.WR_ACC, all_ch=not one, k=k, col=0, n=width, operand=self.operand(ZEROS, 0, width))
             for j, (s, ln) in enumerate(chunks):
-                self.write_gb(x, x_off + s, ln)
-                for k, g in enumerate(batch):
-                    self.emit(Op.MAC_AB, row=p.rows[g][j], col=0, n=math.ceil(ln / d.lanes), k=k)
+                nb = math.ceil(ln / d.lanes)
+                step = nb if locality else max(1, math.ceil(nb / NAIVE_PIECES))
+                for c0 in range(0, nb, step):
+                    for k, g in enumerate(batch):
+                        if not reuse:
+                            self.invalidate_gb()
+                        self.write_gb(x, x_off + s, ln)
+                        self.emit(Op.MAC_AB, all_ch=not one, row=p.rows[g][j], col=c0, n=min(step, nb - c0), k=k)
             for k, g in enumerate(batch):
-                cnt = min(d.slots, p.n_out - g * d.slots)
-                self.emit(Op.RD_ACC, k=k, col=0, n=cnt, operand=self.operand(y, y_off + g * d.slots, cnt))
+                cnt = min(width, p.n_out - g * width)
+                self.emit(Op.RD_ACC, all_ch=not one, k=k, col=0, n=cnt, operand=self.operand(y, y_off + g * width, cnt))
         self._want_wfmt = 0
+        if "handoff-batch" not in self.passes:
+            self.sync()  # naive baseline: one host/PIM hand-off per GEMV
 
     # ------------------------------------------------------------ finish
     def finish(self, io: dict, info: dict) -> Program:

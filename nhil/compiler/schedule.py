@@ -1,30 +1,61 @@
-"""Scheduling passes over a lowered :class:`~nhil.isa.program.Program`.
+"""Scheduling and placement passes: a named, toggleable pipeline (``PassManager``).
 
-A pass is a function ``Program -> Program`` that reorders or regroups device
-instructions without changing any value the program computes: every accumulator sees
-the same MACs (rows, columns, global-buffer contents) in the same order, so outputs
-are bit-identical (``tests/test_schedule.py`` runs the simulator before and after).
-Passes only touch the instruction stream; placement and images are unchanged. Each pass
-declines (leaves a device run as it is) when the run holds anything it does not
-recognise.
+Every optimisation the compiler makes for device bandwidth is a named pass; the *naive
+baseline* is the program compiled with none of them, and the default pipeline
+(:data:`PIPELINE`) has all of them on. Passes run at one of three stages:
 
-Passes:
+* ``lower``: read by :class:`~nhil.compiler.builder.ProgramBuilder` while it places and
+  emits GEMVs (the builder asks :func:`lowering_passes`, which the manager sets for the
+  duration of a compile, :meth:`PassManager.compile`);
+* ``program``: functions ``Program -> Program`` over the instruction stream;
+* ``command``: decisions of the command-level schedule (L1 -> L2), recorded in
+  ``program.info["passes"]`` and honoured by the timing model (``nhil.timing``).
 
-* ``gemv-batch`` (broadcast-vector and accumulator reuse): within a device run (the
-  instructions between two barriers), the accumulator *units* of GEMVs that read the
-  same input chunks (q/k/v projections of one x; gate/up of one x; the experts of one
-  token) are regrouped into batches of ``accumulators`` units across matrices, so each
-  input chunk is written to the global buffer once per batch instead of once per
-  matrix-batch, and fewer accumulators are reused back to back (a WR_ACC waits for the
-  RD_ACC before it).
+Passes (in pipeline order) and what their absence means:
+
+* ``bank-spread`` (lower): a bf16 weight matrix's output rows go to every slot of the
+  device (slot ``o % slots``: all channels x all banks MAC at once). Baseline: the
+  matrix fills channel 0's banks row after row (``banks`` outputs per row-group; MAC_AB,
+  WR_ACC and RD_ACC address channel 0 only), as a plain DRAM allocation would.
+* ``row-locality`` (lower): each all-bank MAC_AB streams a whole row chunk, so every row
+  is activated once per GEMV. Baseline: each chunk's MACs are cut into
+  :data:`NAIVE_PIECES` column pieces interleaved across the batch's accumulators
+  (piece 0 of every row-group, then piece 1, ...), so every row is activated
+  ``NAIVE_PIECES`` times (row-interleaved placement without locality).
+* ``vector-reuse`` (program): a WR_GB of the vector the global buffer already holds is
+  dropped (one broadcast per chunk serves all accumulators). Baseline: the builder
+  re-broadcasts the input chunk before every MAC_AB (per accumulator).
+* ``handoff-batch`` (program): a SYNC is kept only where the host must hold read-back
+  data (before a HOST call, before a WR_* that sends back a buffer read since the last
+  barrier, at the end of the step); GEMVs between two host kernels then run as one
+  device block. Baseline: one host/PIM hand-off (SYNC) after every GEMV.
+* ``gemv-batch`` (program): broadcast-vector and accumulator reuse across matrices that
+  read the same input (q/k/v of one x; gate/up of one x; the experts of one token): their
+  accumulator units are regrouped into batches of ``accumulators`` units, so each input
+  chunk is written once per batch instead of once per matrix-batch.
+* ``gb-overlap`` (command): global-buffer writes (WR_GB of the next chunk) and
+  accumulator readbacks/zeroing (RD_ACC/WR_ACC) are interleaved with the MAC bursts on
+  the command bus (WRGB and MAC use different buses, as AiM's command scheduler
+  allows). Baseline: commands issue in program order, so these serialise with the MACs
+  (``TimingEngine(inorder=True)``).
+
+Numerics: no pass changes any value. Every accumulator receives the same bursts (rows,
+columns, global-buffer contents) in the same order (a MAC of ``n`` bursts accumulates
+burst by burst, ``nhil.numerics.mac.mac_bursts``, so cutting it into column pieces is
+exact), and the placement only moves whole output rows between slots; outputs are **bit-identical** for every
+subset of passes (``tests/test_schedule.py`` runs llama-tiny on the simulator).
 """
+
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Callable
 
-from nhil.isa.instr import ALL_CH, Instr, Op
+from nhil.errors import SetupError
+from nhil.isa.instr import ALL_CH, OPINFO, Instr, Op
 from nhil.isa.program import Program
 
 BARRIERS = frozenset({Op.SYNC, Op.HOST, Op.EOC})
@@ -101,7 +132,7 @@ def _emit_batched(units: list[_Unit], gb_instr: dict, acc: int) -> list[Instr]:
 
 
 def gemv_batch(p: Program) -> Program:
-    """The ``gemv-batch`` pass (module docstring)."""
+    """The ``gemv-batch`` pass (module docstring); declines on runs it does not recognise (e.g. MACs cut into column pieces)."""
     from nhil.timing.engine import kv_row_set
 
     kv = kv_row_set(p)
@@ -126,18 +157,155 @@ def gemv_batch(p: Program) -> Program:
         else:
             run.append(ins)
     flush()
+    return _replace_instrs(p, out, "gemv-batch")
+
+
+def _replace_instrs(p: Program, instrs: list[Instr], name: str) -> Program:
     info = dict(p.info)
-    info["schedule"] = list(info.get("schedule", [])) + ["gemv-batch"]
-    q = dataclasses.replace(p, instrs=out, info=info)
+    info["schedule"] = list(info.get("schedule", [])) + [name]
+    q = dataclasses.replace(p, instrs=instrs, info=info)
     q.validate()
     return q
 
 
-PASSES: dict[str, Callable[[Program], Program]] = {"gemv-batch": gemv_batch}
+def vector_reuse(p: Program) -> Program:
+    """The ``vector-reuse`` pass: drop a WR_GB whose (operand, col, n) the global buffer already holds.
+
+    The GB's content is tracked per written range from the WR_GBs of the current device
+    run; a barrier (SYNC/HOST/EOC: the host may rewrite the operand's buffer), a
+    COPY_BK_GB (bank -> GB) or a readback into the operand's buffer forgets it, so only
+    provably redundant writes are dropped.
+    """
+    out: list[Instr] = []
+    held: list[tuple[int, int, int]] = []  # (col, n, operand) ranges the GB holds
+    for ins in p.instrs:
+        op = ins.op
+        if op in BARRIERS or op is Op.COPY_BK_GB:
+            held = []
+        elif op is Op.WR_GB and ins.flags & ALL_CH:
+            key = (ins.col, ins.n, ins.operand)
+            if key in held:
+                continue
+            held = [h for h in held if h[0] + h[1] <= ins.col or ins.col + ins.n <= h[0]] + [key]
+        elif op is Op.WR_GB:
+            held = []  # a single-channel write makes channels differ: forget everything
+        elif OPINFO[op].data_out and ins.operand < len(p.operands):
+            buf = p.operands[ins.operand].buffer
+            held = [h for h in held if p.operands[h[2]].buffer != buf]
+        out.append(ins)
+    return _replace_instrs(p, out, "vector-reuse")
+
+
+def handoff_batch(p: Program) -> Program:
+    """The ``handoff-batch`` pass: remove every SYNC the host does not need (module docstring)."""
+    out: list[Instr] = []
+    pending: set[str] = set()
+    instrs = p.instrs
+    for i, ins in enumerate(instrs):
+        op = ins.op
+        if op is Op.SYNC:
+            nxt = instrs[i + 1].op if i + 1 < len(instrs) else Op.EOC
+            if nxt in BARRIERS or _needs_before_next_barrier(instrs, i, pending, p.operands):
+                out.append(ins)
+                pending = set()
+            continue
+        if op in BARRIERS:
+            pending = set()
+        elif OPINFO[op].data_out:
+            pending.add(p.operands[ins.operand].buffer)
+        out.append(ins)
+    return _replace_instrs(p, out, "handoff-batch")
+
+
+def _needs_before_next_barrier(instrs: list[Instr], i: int, pending: set[str], operands) -> bool:
+    """Does a data-in instruction after ``i`` (before the next barrier) send a buffer read back since the last kept barrier?"""
+    for ins in instrs[i + 1 :]:
+        if ins.op in BARRIERS:
+            return False
+        if OPINFO[ins.op].data_in and operands[ins.operand].buffer in pending:
+            return True
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class PassInfo:
+    """A pass: its ``name``, ``stage`` (``lower`` / ``program`` / ``command``), what it does and what its absence means."""
+
+    name: str
+    stage: str
+    does: str
+    baseline: str
+    fn: Callable[[Program], Program] | None = None
+
+
+PASS_INFO: dict[str, PassInfo] = {
+    "bank-spread": PassInfo("bank-spread", "lower", "weights over every channel x bank: all banks MAC", "a matrix fills channel 0's banks row after row (single-channel MACs)"),
+    "row-locality": PassInfo("row-locality", "lower", "one activate per row: each MAC_AB streams a whole row chunk", "MACs cut into column pieces interleaved across accumulators (each row activated per piece)"),
+    "vector-reuse": PassInfo("vector-reuse", "program", "one GB broadcast of the input chunk serves every accumulator", "input chunk re-broadcast (WR_GB) before every MAC_AB", vector_reuse),
+    "handoff-batch": PassInfo("handoff-batch", "program", "SYNC only where the host needs read-back data", "one host/PIM hand-off (SYNC) after every GEMV", handoff_batch),
+    "gemv-batch": PassInfo("gemv-batch", "program", "accumulator batches span matrices that share an input (q/k/v, gate/up)", "batches of one matrix at a time", gemv_batch),
+    "gb-overlap": PassInfo("gb-overlap", "command", "WR_GB / RD_ACC / WR_ACC bursts interleaved with MAC bursts", "commands issue in program order (GB writes serialised with MACs)"),
+}
+PIPELINE: tuple[str, ...] = tuple(PASS_INFO)  # the default pipeline: every pass, in this order
+PASSES: dict[str, Callable[[Program], Program]] = {n: i.fn for n, i in PASS_INFO.items() if i.stage == "program"}  # Program -> Program passes
+NAIVE_PIECES = 4  # column pieces per row chunk without row-locality
+
+_LOWERING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("nhil_lowering_passes", default=frozenset(PIPELINE))
+
+
+def lowering_passes() -> frozenset:
+    """Names of the passes in effect for the builder (all of :data:`PIPELINE` unless a :class:`PassManager` compile says otherwise)."""
+    return _LOWERING.get()
+
+
+class PassManager:
+    """An ordered, named pass list (a subset of :data:`PIPELINE`, run in pipeline order).
+
+    Usage: ``prog = PassManager(["row-locality", "gemv-batch"]).compile(compile_shape_only, "llama3-8b")``
+    lowers with the lower-stage passes in effect, then runs the program-stage passes and
+    records ``info["passes"]`` (the enabled names, read by the timing model for the
+    command-stage ones). ``PassManager()`` is the default pipeline (all on);
+    ``PassManager([])`` the naive baseline.
+
+    Raises:
+        SetupError: an unknown pass name (names the known ones).
+    """
+
+    def __init__(self, passes=PIPELINE) -> None:
+        bad = [n for n in passes if n not in PASS_INFO]
+        if bad:
+            raise SetupError(f"unknown scheduling pass(es) {', '.join(map(repr, bad))}; passes: {', '.join(PIPELINE)}")
+        self.passes = tuple(n for n in PIPELINE if n in set(passes))
+
+    @contextlib.contextmanager
+    def lowering(self):
+        """Context in which :class:`~nhil.compiler.builder.ProgramBuilder` sees this pass list."""
+        tok = _LOWERING.set(frozenset(self.passes))
+        try:
+            yield
+        finally:
+            _LOWERING.reset(tok)
+
+    def run(self, p: Program) -> Program:
+        """Run the program-stage passes in order on ``p`` (compiled under :meth:`lowering`) and record ``info["passes"]``."""
+        for n in self.passes:
+            if n in PASSES:
+                p = PASSES[n](p)
+        info = dict(p.info)
+        info["passes"] = list(self.passes)
+        return dataclasses.replace(p, info=info)
+
+    def compile(self, compile_fn: Callable[..., Program], *args, **kw) -> Program:
+        """``compile_fn(*args, **kw)`` under :meth:`lowering`, then :meth:`run`."""
+        with self.lowering():
+            p = compile_fn(*args, **kw)
+        return self.run(p)
 
 
 def apply_passes(p: Program, names: list[str]) -> Program:
-    """Run the named passes in order."""
+    """Run the named program-stage passes in the given order (no lowering change)."""
     for n in names:
+        if n not in PASSES:
+            raise SetupError(f"unknown program pass {n!r}; program passes: {', '.join(PASSES)}")
         p = PASSES[n](p)
     return p

@@ -92,7 +92,10 @@ CONFIGS: dict[str, ShapeConfig] = {
 
 
 def _rows_for(n_out: int, n_in: int, d: DeviceConfig) -> int:
-    return math.ceil(n_out / d.slots) * math.ceil(n_in / min(d.cols, d.gb_elems))
+    from nhil.compiler.schedule import lowering_passes
+
+    width = d.slots if "bank-spread" in lowering_passes() else d.banks  # as ProgramBuilder._width
+    return math.ceil(n_out / width) * math.ceil(n_in / min(d.cols, d.gb_elems))
 
 
 def _matrices(c: ShapeConfig) -> list[tuple[str, int, int]]:

@@ -47,14 +47,15 @@ class Chan:
 
     __slots__ = ("nb", "bus", "open", "act_t", "pre_t", "rd_t", "wr_t", "rd_all", "acts", "col_t", "ext_t", "gb_w", "gb_r", "acc_w", "acc_mac", "acc_r", "floor", "done", "refs", "ref_t", "idle_from", "cmds", "busy", "last")
 
-    def __init__(self, d: DeviceConfig) -> None:
+    def __init__(self, d: DeviceConfig, row_buffers: int = 1) -> None:
         self.nb = d.banks
         self.bus: set[int] = set()
-        self.open = [-1] * d.banks
-        self.act_t = [NEG] * d.banks
-        self.pre_t = [NEG] * d.banks
-        self.rd_t = [NEG] * d.banks
-        self.wr_t = [NEG] * d.banks
+        nv = d.banks * row_buffers  # one entry per (row buffer, bank): index buffer * banks + bank
+        self.open = [-1] * nv
+        self.act_t = [NEG] * nv
+        self.pre_t = [NEG] * nv
+        self.rd_t = [NEG] * nv
+        self.wr_t = [NEG] * nv
         self.rd_all = NEG
         self.acts: list[int] = []
         self.col_t = NEG
@@ -106,19 +107,31 @@ class Segment:
     instrs: int = 0
 
 
-def useful_elems(program: Program) -> dict[int, int]:
-    """Row -> weight elements placed in it (all slots): ``info['row_use']`` or the bank images' used rectangle."""
+def useful_rect(program: Program) -> dict[int, tuple[int, int]]:
+    """Row -> (slots, elements from column 0) of weights placed in it: ``info['row_use']`` or the bank images' used rectangle."""
     ru = program.info.get("row_use")
     if ru:
-        return {int(r): int(u[0]) * int(u[1]) for r, u in ru.items()}
+        return {int(r): (int(u[0]), int(u[1])) for r, u in ru.items()}
     from nhil.isa.program import _used_rect
 
     out = {}
     for img in program.bank_images:
         if img.data is not None:
-            s_, c_ = _used_rect(img.data, program.device)
-            out[img.row] = s_ * c_
+            out[img.row] = tuple(int(v) for v in _used_rect(img.data, program.device))
     return out
+
+
+def useful_elems(program: Program) -> dict[int, int]:
+    """Row -> weight elements placed in it (all slots)."""
+    return {r: s_ * c_ for r, (s_, c_) in useful_rect(program).items()}
+
+
+def mac_useful_elems(rect: tuple[int, int] | None, col: int, n: int, lanes: int) -> int:
+    """Weight elements (all slots) a MAC over bursts ``[col, col+n)`` of a row with used rectangle ``rect`` reads."""
+    if rect is None:
+        return 0
+    s_, c_ = rect
+    return s_ * max(0, min(c_, (col + n) * lanes) - col * lanes)
 
 
 @dataclasses.dataclass
@@ -230,7 +243,8 @@ class TimingEngine:
         self.t = table or timing_for(device)
         self.record = record
         self.stats = TimingStats()
-        base = Chan(device)
+        self.nbuf = max(1, int(self.t.row_buffers))
+        base = Chan(device, self.nbuf)
         if record:
             self.st = [base.clone() for _ in range(device.channels)]
             for s in self.st:
@@ -247,7 +261,7 @@ class TimingEngine:
         T = self.t
         self.horizon = max(T.nRFC, T.nRC, T.nRAS, T.nFAW, T.nCWL + T.nBL + T.nWR, T.nRCDRDCP, T.nMACLAT, T.nRTP, T.nRRD) + 1
         self._groups: list | None = None
-        self.row_useful = useful_elems(program) if program is not None else {}
+        self.row_useful = useful_rect(program) if program is not None else {}
         self.segments: list[Segment] = []
         self._seg = Segment()
         self._seg_floor = 0
@@ -318,8 +332,9 @@ class TimingEngine:
 
     def _issue_ref(self, s: Chan, t: int, idx: int, chans) -> int:
         T = self.t
-        if any(o != -1 for o in s.open):
-            t = self._pre(s, ALL, t, idx, chans)
+        for u in range(self.nbuf):
+            if any(o != -1 for o in s.open[u * s.nb : (u + 1) * s.nb]):
+                t = self._pre(s, ALL, t, idx, chans, u * s.nb)
         t = max(t, max(s.pre_t) + T.nRP, max(s.act_t) + T.nRC, s.ref_t + T.nRFC, s.floor)
         t = self._slot(s, t)
         s.ref_t = t
@@ -351,9 +366,9 @@ class TimingEngine:
             t0 = s.ref_t + 1
 
     # ------------------------------------------------------------------ row commands
-    def _pre(self, s: Chan, bank: int, t0: int, idx: int, chans) -> int:
+    def _pre(self, s: Chan, bank: int, t0: int, idx: int, chans, base: int = 0) -> int:
         T = self.t
-        banks = range(s.nb) if bank == ALL else (bank,)
+        banks = range(base, base + s.nb) if bank == ALL else (base + bank,)
         t = t0
         for b in banks:
             if s.open[b] != -1:
@@ -365,19 +380,20 @@ class TimingEngine:
         self._emit(s, t, PRE, bank, idx=idx, chans=chans)
         return t
 
-    def _act(self, s: Chan, bank: int, row: int, t0: int, idx: int, chans) -> int:
+    def _act(self, s: Chan, bank: int, row: int, t0: int, idx: int, chans, base: int = 0) -> int:
         T = self.t
-        banks = range(s.nb) if bank == ALL else (bank,)
-        t = max(t0, s.floor, s.ref_t + T.nRFC)
-        for b in banks:
-            t = max(t, s.pre_t[b] + T.nRP, s.act_t[b] + T.nRC)
-        if s.acts:
-            t = max(t, s.acts[-1] + T.nRRD)
-            if len(s.acts) >= 4:
-                t = max(t, s.acts[-4] + T.nFAW)
-        if self._ref_owed(s, t) >= T.max_ref_slack:
+        banks = range(base, base + s.nb) if bank == ALL else (base + bank,)
+        while True:  # refresh first while max_ref_slack are owed at the ACT's cycle
+            t = max(t0, s.floor, s.ref_t + T.nRFC)
+            for b in banks:
+                t = max(t, s.pre_t[b] + T.nRP, s.act_t[b] + T.nRC)
+            if s.acts:
+                t = max(t, s.acts[-1] + T.nRRD)
+                if len(s.acts) >= 4:
+                    t = max(t, s.acts[-4] + T.nFAW)
+            if self._ref_owed(s, t) < T.max_ref_slack:
+                break
             self._issue_ref(s, max(t0, s.floor), idx, chans)
-            return self._act(s, bank, row, t0, idx, chans)
         t = self._slot(s, t)
         for b in banks:
             s.act_t[b] = t
@@ -389,26 +405,42 @@ class TimingEngine:
         self._emit(s, t, ACT, bank, row, idx=idx, chans=chans)
         return t
 
+    def _buffer(self, s: Chan, ins: Instr) -> int:
+        """Row buffer an instruction's row uses (``row_buffers`` > 1): the one holding the row open, else the least recently activated."""
+        nb = s.nb
+        if ins.op is Op.MAC_AB or ins.op is Op.WR_ABK:
+            sel = range(nb)
+        elif ins.op in (Op.MAC_SB, Op.WR_SBK, Op.RD_SBK, Op.COPY_BK_GB, Op.COPY_GB_BK):
+            sel = (ins.bank,)
+        else:
+            return 0
+        for u in range(self.nbuf):
+            if all(s.open[u * nb + b] == ins.row for b in sel):
+                return u
+        return min(range(self.nbuf), key=lambda u: (max(s.act_t[u * nb + b] for b in sel), u))
+
     # ------------------------------------------------------------------ one instruction in one channel state
     def _run(self, s: Chan, ins: Instr, idx: int, ch: int, chans) -> int:
         """Schedule ``ins`` on state ``s`` (representing ``chans``); returns its completion cycle."""
         T = self.t
         if s.idle_from is not None:
             self._idle_refresh(s, chans)
-        open_rows = list(s.open)
+        nb = s.nb
+        base = self._buffer(s, ins) * nb if self.nbuf > 1 else 0
+        open_rows = s.open[base : base + nb]
         plan = unroll_instr(ins, self.d, ch, open_rows)
         end = s.floor
         first = None
         for p in plan:
             kind = p.kind
             if kind == PRE:
-                tt = self._pre(s, p.bank, s.floor, idx, chans)
+                tt = self._pre(s, p.bank, s.floor, idx, chans, base)
                 end = max(end, tt)
             elif kind == ACT:
-                tt = self._act(s, p.bank, p.row, s.floor, idx, chans)
+                tt = self._act(s, p.bank, p.row, s.floor, idx, chans, base)
                 end = max(end, tt)
             elif kind == MAC:
-                banks = range(s.nb) if p.bank == ALL else (p.bank,)
+                banks = range(base, base + nb) if p.bank == ALL else (base + p.bank,)
                 ready = max(s.act_t[b] for b in banks) + T.nRCDRDMAC
                 k = p.k
                 base = max(ready, s.floor, s.acc_w[k] + T.nCWLREG, s.acc_r[k] + 1)
@@ -430,17 +462,18 @@ class TimingEngine:
                     if rec:
                         s.cmds.append(Cmd(t, chans[0], MAC, p.bank, p.row, c, k, idx))
                 s.col_t = t
-                if p.bank == ALL:
+                if p.bank == ALL and self.nbuf == 1:
                     s.rd_all = t
                 else:
-                    s.rd_t[p.bank] = t
+                    for b in banks:
+                        s.rd_t[b] = t
                 s.acc_mac[k] = t
                 end = max(end, t + T.nMACLAT)
-                nb = len(banks)
+                nbk = len(banks)
                 self.stats.mac_bursts += p.n * len(chans)
-                self.stats.mac_bank_bursts += p.n * nb * len(chans)
+                self.stats.mac_bank_bursts += p.n * nbk * len(chans)
                 if p.row not in self.kv_rows:
-                    self.stats.weight_bank_bursts += p.n * nb * len(chans)
+                    self.stats.weight_bank_bursts += p.n * nbk * len(chans)
             elif kind == WRGB:
                 t = s.ext_t
                 gb_w, gb_r, bus = s.gb_w, s.gb_r, s.bus
@@ -478,7 +511,7 @@ class TimingEngine:
                     end = max(end, t + T.nCLREG + T.nBL)
             else:  # WR, RD, RDCP, WRCP: bank data accesses
                 b = p.bank
-                banks = range(s.nb) if b == ALL else (b,)
+                banks = range(base, base + nb) if b == ALL else (base + b,)
                 rcd = {WR: T.nRCDWR, RD: T.nRCDRD, RDCP: T.nRCDRDCP, WRCP: T.nRCDWRCP}[kind]
                 ready = max(s.act_t[x] for x in banks) + rcd
                 t = s.col_t
@@ -580,11 +613,12 @@ class TimingEngine:
                 else:
                     if seg.kind != "attn":
                         seg.kind = "gemv"
-                    u = self.row_useful.get(ins.row, 0)
+                    rect = self.row_useful.get(ins.row)
+                    if rect is not None and not ins.flags & ALL_CH:  # used slots of this channel (rows are filled from slot 0)
+                        rect = (max(0, min(self.d.banks, rect[0] - ins.ch * self.d.banks)), rect[1])
+                    u = mac_useful_elems(rect, ins.col, ins.n, self.d.lanes)
                     if op is Op.MAC_SB:
-                        u = u // self.d.slots
-                    elif not ins.flags & ALL_CH:
-                        u = u // self.d.channels
+                        u = u // self.d.banks
                     seg.useful_bytes += 2 * u
             elif seg.kind == "idle":
                 seg.kind = "other"

@@ -33,9 +33,21 @@ def kv_bytes(program: Program) -> int:
     return total
 
 
-def analyze(program: Program, table: TimingTable | None = None, pos: int | None = None, gpu_gbs: float = GPU_HBM_GBS, inorder: bool = False) -> dict:
-    """Time one decode step of ``program`` and derive the report (a JSON-able dict)."""
+def controller_for(program: Program) -> bool:
+    """``inorder`` for a program: in order iff it went through a ``PassManager`` without ``gb-overlap`` (``nhil.compiler.schedule``)."""
+    ps = program.info.get("passes")
+    return ps is not None and "gb-overlap" not in ps
+
+
+def analyze(program: Program, table: TimingTable | None = None, pos: int | None = None, gpu_gbs: float = GPU_HBM_GBS, inorder: bool | None = None) -> dict:
+    """Time one decode step of ``program`` and derive the report (a JSON-able dict).
+
+    ``inorder=None`` takes the controller from the program's scheduling passes
+    (:func:`controller_for`); ``table`` defaults to the device preset's.
+    """
     d = program.device
+    if inorder is None:
+        inorder = controller_for(program)
     T = table or timing_for(d)
     if pos is None:
         pos = max(0, int(program.info.get("max_cache_len", 1)) // 2)
@@ -66,6 +78,7 @@ def analyze(program: Program, table: TimingTable | None = None, pos: int | None 
         "timing_table": T.name,
         "controller": "in-order" if inorder else "reordering",
         "pos": pos,
+        "passes": program.info.get("passes"),
         "cycles_per_token": cyc,
         "us_per_token": ns / 1e3,
         "tokens_per_s": 1.0 / sec if sec else 0.0,
@@ -116,10 +129,8 @@ def device_param_study(T: TimingTable, d) -> dict:
     for rb in (4096, 8192):
         out[f"row_bytes_{rb}"] = T.row_bound_fraction(rb // (2 * d.lanes))
     # dual row buffers: the next row is activated (and the previous precharged) while the
-    # current one streams; a row then costs max(stream, ACT->first MAC + PRE overlap)
-    stream = T.nCCD * b
-    hidden = max(stream, T.nRC)  # ACT-to-ACT of one buffer still >= nRC
-    out["dual_row_buffers"] = stream / hidden
+    # current one streams (TimingTable.row_buffers; the engine models it)
+    out["dual_row_buffers"] = T.replace(row_buffers=2).row_bound_fraction(b)
     # bank-group interleaving with all-bank MACs: every bank still pays ACT+PRE per row
     out["bank_group_interleave"] = base
     return out

@@ -52,6 +52,12 @@ class TimingTable:
         host_gbs: [assumed] host kernel throughput (bytes in + out per ns, GB/s).
         host_op_ns: [assumed] fixed cost per host kernel call.
         ext_channel_gbs: external (host) bandwidth per channel in GB/s (16 Gb/s x 16 DQ).
+        row_buffers: row buffers per bank (1 = DRAM as built). With 2 (a device-parameter
+            study, not a preset), a row opens in the buffer that holds it or else the least
+            recently activated one (the controller's choice), and each buffer keeps
+            its own ACT/PRE timing (nRCD*, nRAS, nRP, nRC), so the next row activates while
+            the current one streams; the channel's ACT spacing (nRRD, nFAW) and column
+            spacing (nCCD) are shared. The legality checker knows one buffer only.
     """
 
     name: str = "aim-like"
@@ -83,6 +89,7 @@ class TimingTable:
     host_gbs: float = 100.0
     host_op_ns: float = 100.0
     ext_channel_gbs: float = 32.0
+    row_buffers: int = 1
 
     def replace(self, **kw) -> "TimingTable":
         return dataclasses.replace(self, **kw)
@@ -92,10 +99,14 @@ class TimingTable:
         """Cycles one all-bank row occupies in a row-by-row GEMV: ACT, ``bursts`` MACs, PRE, until the next ACT.
 
         ``nRCDRDMAC + nCCD*(bursts-1) + nRTP + nRP``, but at least ``nRC`` (ACT to ACT)
-        and with ACT->PRE at least ``nRAS``.
+        and with ACT->PRE at least ``nRAS``. With ``row_buffers`` > 1 the buffers take
+        turns: ``max(nCCD*bursts, ceil(that / row_buffers), nRRD)``.
         """
         act_to_pre = max(self.nRAS, self.nRCDRDMAC + self.nCCD * (bursts - 1) + self.nRTP)
-        return max(self.nRC, act_to_pre + self.nRP)
+        one = max(self.nRC, act_to_pre + self.nRP)
+        if self.row_buffers > 1:  # buffers take turns: a row costs its stream, or its buffer's ACT-to-ACT shared by the others
+            return max(self.nCCD * bursts, -(-one // self.row_buffers), self.nRRD)
+        return one
 
     def mac_latency_cycles(self, bursts: int) -> int:
         """Unloaded latency of one MAC_AB on a closed bank: ACT to the accumulator update of its last burst."""
