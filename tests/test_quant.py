@@ -165,3 +165,125 @@ def test_native_gguf_blocks_are_in_the_bank_images_unchanged():
                 e0, e1 = j * p["chunk"], min(k, (j + 1) * p["chunk"])
                 b0, b1 = qt.fmt.blk_bytes * e0 // 32, qt.fmt.blk_bytes * e1 // 32
                 assert np.array_equal(img[: o1 - o0, : b1 - b0], blocks[o0:o1, b0:b1]), (hf_name(cname), r)
+
+
+# ------------------------------------------------------------------ whole-model quantized reference (issue 6)
+REF_RECIPES = sorted(set(RECIPES) - {"native"}) + ["q4_0:lm_head=bf16,*.down_proj.*=mxfp6"]
+
+
+@pytest.fixture(scope="module")
+def tiny_decode():
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.models.llama import build_llama_tiny
+
+    bundle = build_llama_tiny()
+    return bundle, raise_graph(export_decode(bundle.model, 16)[0], "decode").gm
+
+
+def _sim_and_reference(gm, recipe, device, prompt, tokens, mode="device"):
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.golden.quant_reference import QuantReference
+    from nhil.runtime import run_teacher_forced
+
+    dev = DEVICE_PRESETS[device]
+    prog = Program.decode(lower_decode_graph(gm, dev, quant=build_plan(recipe, gm)).encode())
+    sim = run_teacher_forced(Runner(prog, SimTarget(device=dev)), prompt, tokens)
+    ref = run_teacher_forced(QuantReference(gm, build_plan(recipe, gm), mode=mode), prompt, tokens)
+    return sim, ref
+
+
+def _bits(x):
+    return np.ascontiguousarray(x, np.float32).view(np.uint32)
+
+
+def test_reference_burst_tree_hand_case_and_numpy_mac():
+    """The reference's torch MAC: the pairwise tree's observable order (2^24 + 1 + 1 + 1 = 2^24 + 2, left to right
+    2^24) and, per format, the same bits as the numpy ``reference_qgemv`` of nhil.numerics on random weights."""
+    import torch
+
+    from nhil.golden.quant_reference import MacWeight, burst_tree
+
+    p = torch.tensor([2.0**24, 1, 1, 1] + [0] * 12)
+    assert burst_tree(p).item() == 2.0**24 + 2
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(24, 320)).astype(np.float32)
+    x = (rng.normal(size=320) * 3).astype(np.float32)
+    for name in ("int8", "int4-g64-asym", "fp8-e5m2", "mxfp4", "mxint8", "nvfp4", "q8_0", "q4_1"):
+        qt = FORMATS[name].quantize(w)
+        got = MacWeight(torch.from_numpy(w), qt).gemv(torch.from_numpy(x)).numpy()
+        assert np.array_equal(_bits(got), _bits(reference_qgemv(qt.operands(), f32_to_bf16_bits(x)))), name
+    got = MacWeight(torch.from_numpy(w)).gemv(torch.from_numpy(x)).numpy()
+    from nhil.numerics.mac import reference_gemv
+
+    assert np.array_equal(_bits(got), _bits(reference_gemv(f32_to_bf16_bits(w), f32_to_bf16_bits(x))))
+
+
+@pytest.mark.parametrize("recipe", REF_RECIPES)
+def test_sim_equals_quantized_reference_bit_for_bit_on_llama_tiny(recipe, tiny_decode):
+    """The whole llama-tiny decode (6 prompt tokens + 5 teacher-forced steps, so attention reads a growing
+    KV cache) on the simulator equals the quantized PyTorch reference (nhil.golden.quant_reference) bit for
+    bit: logits of every step and the residual stream after the embedding and after every layer at every
+    position. ``native`` needs a GGUF checkpoint (llama-tiny is seeded): see the real-model test below."""
+    bundle, gm = tiny_decode
+    prompt, tokens = bundle.encode(None), [3, 5, 7, 11, 2]
+    sim, ref = _sim_and_reference(gm, recipe, "aim-like", prompt, tokens)
+    assert sim.logits.shape == ref.logits.shape == (len(tokens), bundle.model.config.vocab_size)
+    assert np.array_equal(_bits(sim.logits), _bits(ref.logits)), recipe
+    assert set(sim.acts) == set(ref.acts) == {"act.model.embed_tokens", *(f"act.model.layers.{i}" for i in range(bundle.model.config.num_hidden_layers))}
+    for k in sim.acts:
+        assert sim.acts[k].shape == (len(prompt) + len(tokens) - 1, bundle.model.config.hidden_size)
+        assert np.array_equal(_bits(sim.acts[k]), _bits(ref.acts[k])), (recipe, k)
+
+
+@pytest.mark.parametrize("recipe", ["int4-g128", "nvfp4", "q4_1", "mxfp6", "bf16"])
+def test_sim_equals_quantized_reference_with_many_chunks(recipe, tiny_decode):
+    """Same on the rtl-tiny device (128-element chunks: every K > 128 is cut into several MACs per row)."""
+    bundle, gm = tiny_decode
+    sim, ref = _sim_and_reference(gm, recipe, "rtl-tiny", bundle.encode(None), [3, 5])
+    assert np.array_equal(_bits(sim.logits), _bits(ref.logits))
+    assert all(np.array_equal(_bits(sim.acts[k]), _bits(ref.acts[k])) for k in sim.acts)
+
+
+def test_fake_quant_reference_is_not_the_device(tiny_decode):
+    """The bit-exact comparison can fail: the fp32 fake-quant reference (same dequantized weights, fp32
+    activations and attention) differs from the device in the low bits, while staying close (SQNR > 30 dB)."""
+    bundle, gm = tiny_decode
+    sim, fq = _sim_and_reference(gm, "int8", "aim-like", bundle.encode(None), [3, 5], mode="fake-quant")
+    assert not np.array_equal(_bits(sim.logits), _bits(fq.logits))
+    err = (sim.logits.astype(np.float64) - fq.logits) ** 2
+    assert 10 * np.log10(np.sum(fq.logits.astype(np.float64) ** 2) / np.sum(err)) > 30
+
+
+def test_quantized_reference_refuses_graphs_it_does_not_model(tiny_decode):
+    from nhil.golden.quant_reference import QuantReference
+
+    _, gm = tiny_decode
+    with pytest.raises(CompileError, match="mode"):
+        QuantReference(gm, mode="int8")
+
+
+@pytest.mark.nightly  # ~2-4 min (SmolLM2 export + 8 steps on the simulator and the reference)
+@pytest.mark.real
+@pytest.mark.slow
+def test_native_gguf_sim_equals_quantized_reference_on_llama():
+    """QUANT=native on the real SmolLM2 (Q4_1 + Q8_0 blocks from the GGUF file): simulator == reference bit for bit
+    over the default prompt and 2 teacher-forced steps (logits and every layer)."""
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.golden.quant_reference import QuantReference
+    from nhil.models import get_model
+    from nhil.models.llama import smollm2_gguf_path
+    from nhil.runtime import run_teacher_forced
+
+    bundle = get_model("llama")
+    prompt = bundle.encode(None)
+    gm = raise_graph(export_decode(bundle.model, 16)[0], "decode").gm
+    dev = DEVICE_PRESETS["aim-like"]
+    plan = build_plan("native", gm, gguf_path=smollm2_gguf_path(), model=bundle.model)
+    prog = lower_decode_graph(gm, dev, quant=plan)
+    assert prog.info["quant"]["matrices_per_format"] == {"q4_1": 210, "q8_0": 1}
+    tokens = [1, 2]
+    sim = run_teacher_forced(Runner(prog, SimTarget(device=dev)), prompt, tokens)
+    ref = run_teacher_forced(QuantReference(gm, plan), prompt, tokens)
+    assert np.array_equal(_bits(sim.logits), _bits(ref.logits))
+    assert all(np.array_equal(_bits(sim.acts[k]), _bits(ref.acts[k])) for k in sim.acts)
