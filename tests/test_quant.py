@@ -287,3 +287,23 @@ def test_native_gguf_sim_equals_quantized_reference_on_llama():
     ref = run_teacher_forced(QuantReference(gm, plan), prompt, tokens)
     assert np.array_equal(_bits(sim.logits), _bits(ref.logits))
     assert all(np.array_equal(_bits(sim.acts[k]), _bits(ref.acts[k])) for k in sim.acts)
+
+
+@pytest.mark.parametrize("target", ["rtl", "fpga"])
+def test_rtl_and_fpga_refuse_a_quantized_llama_tiny_program_at_load(target, tiny_decode):
+    """ISA v0 RTL and the board (emulator) implement bf16 weights only: loading a quantized program is a
+    LoadError naming the missing format and what the target supports, before anything runs on it
+    (RTL: before Verilator is started; FPGA: from the board's INFO reply, before LOAD_PROGRAM)."""
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.targets import get_target
+
+    _, gm = tiny_decode
+    t = get_target(target, device="rtl-tiny" if target == "rtl" else "fpga-small")
+    try:  # no `with`: entering would start the RTL simulator; load must refuse before that
+        prog = lower_decode_graph(gm, t.capabilities().device, quant=build_plan("mxfp4:lm_head=q8_0", gm))
+        with pytest.raises(LoadError, match=rf"target {target} does not support weight format\(s\) mxfp4, q8_0 \(supports bf16\)"):
+            t.load(prog)
+        if target == "rtl":
+            assert t._proc is None  # refused before the simulator process was started
+    finally:
+        t.close()
