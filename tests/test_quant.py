@@ -307,3 +307,25 @@ def test_rtl_and_fpga_refuse_a_quantized_llama_tiny_program_at_load(target, tiny
             assert t._proc is None  # refused before the simulator process was started
     finally:
         t.close()
+
+
+def test_quant_report_format_vs_device_columns_on_llama_tiny(tmp_path):
+    """quant-report's format-only reference columns: bf16 weights through fp32 fake-quant are the golden's weights
+    rounded to bf16, so its SQNR is high and above the simulator's (which adds bf16 activations); int4 loses more than
+    bf16 on both; --no-sim keeps the simulator columns of the existing report and refreshes the reference's."""
+    import json
+
+    from nhil.quant_report import run_quant_report
+
+    out = tmp_path / "qr"
+    rep = run_quant_report("llama-tiny", ["bf16", "int4-g128"], tokens=3, output=out)
+    rows = {r["recipe"]: r for r in rep["rows"]}
+    bf, i4 = rows["bf16"], rows["int4-g128"]
+    assert bf["ref_logits_sqnr_db"] > 40 and bf["ref_logits_sqnr_db"] > bf["logits_sqnr_db"]
+    assert i4["ref_logits_sqnr_db"] < bf["ref_logits_sqnr_db"] and i4["logits_sqnr_db"] < bf["logits_sqnr_db"]
+    assert all(r["device_vs_reference_sqnr_db"] > 25 for r in rows.values())
+    assert "## Format vs device" in out.with_suffix(".md").read_text()
+    again = run_quant_report("llama-tiny", ["bf16"], tokens=3, output=out, sim=False)
+    (row,) = again["rows"]
+    assert row["top1_agreement"] == bf["top1_agreement"] and row["ref_logits_sqnr_db"] == bf["ref_logits_sqnr_db"]
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["seconds"] == bf["seconds"]  # the simulator row was reused
