@@ -95,37 +95,52 @@ def _pad_lanes(x: torch.Tensor) -> torch.Tensor:
 
 class MacWeight:
     """A linear weight as the MAC reads it: element values ``e`` [N, Kp] and per-burst
-    ``c1``/``c2``/``m`` [N, Kp/16] (None when the format has none), Kp = K padded to 16.
+    ``c1``/``c2``/``m`` [N, Kp/16] (None when the format has none), Kp = K padded to 16;
+    ``deq`` [N, K] is the dequantized fp32 weight (``docs/numerics.md``). Both are built on
+    first use (a SmolLM2-size model holds one of them, not both).
 
     Built from a :class:`~nhil.numerics.formats.QTensor` (its ``operands()``) or, for
-    bf16, from the fp32 weight rounded to bf16.
+    bf16 (``qt=None``), from the fp32 weight [N, K] rounded to bf16.
     """
 
     def __init__(self, weight: torch.Tensor, qt=None) -> None:
-        if qt is None:
-            self.e = _pad_lanes(round_bf16(weight.detach().reshape(weight.shape[0], -1)))
-            self.c1 = self.c2 = self.m = None
-            self.fmt = "bf16"
-            self.deq = round_bf16(weight.detach())
-        else:
-            ops = qt.operands()
-            t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
-            self.e = _pad_lanes(t(ops.e))
-            self.c1, self.c2, self.m = t(ops.c1), t(ops.c2), t(ops.m)
-            self.fmt = qt.fmt.name
-            self.deq = torch.from_numpy(np.ascontiguousarray(qt.dequantize(), dtype=np.float32))
+        self.weight, self.qt = weight.detach(), qt
+        self.fmt = qt.fmt.name if qt is not None else "bf16"
         self.n_out, self.n_in = int(weight.shape[0]), int(weight.shape[1])
+        self._ops = None
+        self._deq = None
+
+    def _operands(self):
+        if self._ops is None:
+            if self.qt is None:
+                self._ops = (_pad_lanes(round_bf16(self.weight)), None, None, None)
+            else:
+                ops = self.qt.operands()
+                t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+                self._ops = (_pad_lanes(t(ops.e)), t(ops.c1), t(ops.c2), t(ops.m))
+        return self._ops
+
+    @property
+    def e(self) -> torch.Tensor:
+        return self._operands()[0]
+
+    @property
+    def deq(self) -> torch.Tensor:
+        if self._deq is None:
+            self._deq = round_bf16(self.weight) if self.qt is None else torch.from_numpy(np.ascontiguousarray(self.qt.dequantize(), dtype=np.float32))
+        return self._deq
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """Device GEMV: float32 [K] activations (rounded to bf16 here) -> float32 [N]."""
+        e, c1, c2, m = self._operands()
         a = _pad_lanes(round_bf16(x.reshape(-1)))
-        s = burst_tree(self.e * a)
-        if self.c1 is not None:
-            s = s * self.c1
-        if self.c2 is not None:
-            s = s * self.c2
-        if self.m is not None:
-            s = s + burst_tree(a) * self.m
+        s = burst_tree(e * a)
+        if c1 is not None:
+            s = s * c1
+        if c2 is not None:
+            s = s * c2
+        if m is not None:
+            s = s + burst_tree(a) * m
         return _canonical_nan(accumulate_bursts(s))
 
 
