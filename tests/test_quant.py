@@ -254,12 +254,14 @@ def test_fake_quant_reference_is_not_the_device(tiny_decode):
     assert 10 * np.log10(np.sum(fq.logits.astype(np.float64) ** 2) / np.sum(err)) > 30
 
 
-def test_quantized_reference_refuses_graphs_it_does_not_model(tiny_decode):
+def test_quantized_reference_refuses_bad_mode_and_positions(tiny_decode):
     from nhil.golden.quant_reference import QuantReference
 
     _, gm = tiny_decode
     with pytest.raises(CompileError, match="mode"):
         QuantReference(gm, mode="int8")
+    with pytest.raises(RunError, match="cache position 16 outside the static KV cache of 16"):
+        QuantReference(gm).step(3, 16)
 
 
 @pytest.mark.nightly  # ~2-4 min (SmolLM2 export + 8 steps on the simulator and the reference)
@@ -327,5 +329,25 @@ def test_quant_report_format_vs_device_columns_on_llama_tiny(tmp_path):
     assert "## Format vs device" in out.with_suffix(".md").read_text()
     again = run_quant_report("llama-tiny", ["bf16"], tokens=3, output=out, sim=False)
     (row,) = again["rows"]
+    assert again["simulator_columns_from"].startswith(rep["date"])
     assert row["top1_agreement"] == bf["top1_agreement"] and row["ref_logits_sqnr_db"] == bf["ref_logits_sqnr_db"]
     assert json.loads(out.with_suffix(".json").read_text())["rows"][0]["seconds"] == bf["seconds"]  # the simulator row was reused
+
+
+def test_every_recipe_has_a_nightly_llama_sim_row_and_measured_thresholds():
+    """`make nightly` (tests/test_matrix.py) runs `verify MODEL=llama TARGET=sim QUANT=<r>` for every recipe: each
+    has an expectations.yaml row expecting PASS, and its profile's thresholds cite the verify measurement."""
+    from nhil import expectations
+    from nhil.compiler.quantize import QUANT_THRESHOLDS, tolerance_profile
+    from nhil.golden.tolerances import PROFILES
+
+    rows = {r["quant"]: r for r in expectations.load() if r["model"] == "llama" and r["target"] == "sim"}
+    for rec in RECIPES:
+        row = rows.get(rec)
+        assert row is not None and row["expect"] == "PASS", rec
+        if rec == "bf16":
+            continue  # the main job's row, profile bf16-act-fp32-acc
+        assert row.get("nightly") is True and "QUANT_THRESHOLDS" in row["reason"], rec
+        assert "PASS" in QUANT_THRESHOLDS[rec]["verify"] and "margin" in QUANT_THRESHOLDS[rec]["verify"], rec
+        prof = PROFILES[tolerance_profile(rec, "llama")]
+        assert prof["logits"]["sqnr_db"]["asserted"] and QUANT_THRESHOLDS[rec]["verify"] in prof["logits"]["sqnr_db"]["reason"], rec

@@ -48,7 +48,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from nhil.errors import CompileError
+from nhil.errors import CompileError, RunError
 
 LANES = 16  # MAC burst width (docs/numerics.md)
 _NAN_BITS = 0x7FC00000
@@ -213,7 +213,12 @@ class QuantReference(torch.fx.Interpreter):
         Returns:
             ``logits`` float32 [V] and ``act.model.embed_tokens`` / ``act.model.layers.N``
             float32 [H] (the residual stream after the embedding and after each layer).
+        Raises:
+            RunError: ``pos`` outside the static KV cache ``[0, L)``.
         """
+        max_len = min((int(c.shape[2]) for c in self.caches.values()), default=None)
+        if max_len is not None and not 0 <= int(pos) < max_len:
+            raise RunError(f"cache position {pos} outside the static KV cache of {max_len} positions; export the decode graph with a longer max_cache_len")
         self._captured = {}
         with torch.no_grad():
             out = self.run(torch.tensor([[int(token)]], dtype=torch.long), torch.tensor([int(pos)], dtype=torch.long))
