@@ -271,12 +271,14 @@ def quant_report(
     recipes: str = typer.Option("", help="comma-separated recipes (default: all of nhil.compiler.quantize.RECIPES)"),
     tokens: int = typer.Option(16, help="greedy tokens per prompt"),
     output: Path = typer.Option(Path("docs/quant-report"), "--output", "-o", help="writes <output>.md and <output>.json"),
+    sim: bool = typer.Option(True, "--sim/--no-sim", help="run the simulator (--no-sim: refresh only the reference columns of an existing report)"),
+    reference: bool = typer.Option(True, "--reference/--no-reference", help="also measure the format-only (fake-quant) PyTorch reference"),
 ) -> None:
     """Accuracy and footprint of every quantization recipe against the fp32 golden (slow on the real llama)."""
     try:
         from nhil.quant_report import run_quant_report
 
-        run_quant_report(model, [r for r in recipes.split(",") if r] or None, tokens, output)
+        run_quant_report(model, [r for r in recipes.split(",") if r] or None, tokens, output, sim=sim, reference=reference)
     except NhilError as e:
         _fail(e)
 

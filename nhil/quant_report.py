@@ -13,7 +13,19 @@ prompt of :data:`PROMPTS`; the logits are compared with the fp32 golden:
 * worst per-layer hidden-state SQNR / cosine (first prompt), for the verify thresholds;
 * weight bytes: stored bytes of the PIM linears (formats' scales and headers included);
   modelled decode bytes per token = those weight bytes (every weight is read once per
-  token) + the bf16 K and V cache read by attention at the mean context length.
+  token) + the bf16 K and V cache read by attention at the mean context length;
+* the format-only reference (``reference=True``): the same prompts teacher-forced through
+  the quantized PyTorch reference in ``fake-quant`` mode (``nhil.golden.quant_reference``:
+  the recipe's dequantized weights, fp32 activations, fp32 attention), compared with the
+  golden the same way. Its loss is the format's own; the rest of the device's loss is
+  bf16 activations and the MAC's summation (the device-numerics reference equals the
+  simulator bit for bit, ``tests/test_quant.py``, so it would repeat the sim columns).
+  ``device_vs_reference_sqnr_db`` is the SQNR of the simulator's logits against the
+  format-only reference's.
+
+``sim=False`` measures only the reference: rows of an existing ``<output>.json`` for the
+same model, weights, prompts and tokens keep their simulator columns (so the reference
+columns can be refreshed without the simulator's hour on SmolLM2).
 
 Writes ``<output>.json`` and ``<output>.md``. On the real SmolLM2 this takes tens of
 minutes on 2 CPUs (model export once, then one simulator run per recipe and prompt).
@@ -42,8 +54,16 @@ def _sqnr(ref: np.ndarray, err: np.ndarray) -> float:
     return math.inf if e == 0 else 10 * math.log10(p / e)
 
 
-def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tokens: int = 16, output: Path | str = Path("docs/quant-report"), prompts: list[str] | None = None) -> dict:
-    """Measure ``recipes`` (default: all of ``RECIPES``) on ``model``; returns the JSON dict and writes the files."""
+def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tokens: int = 16, output: Path | str = Path("docs/quant-report"),
+                     prompts: list[str] | None = None, sim: bool = True, reference: bool = True) -> dict:
+    """Measure ``recipes`` (default: all of ``RECIPES``) on ``model``; returns the JSON dict and writes the files.
+
+    Args:
+        sim: run every recipe on the simulator (the main columns).
+        reference: also run the format-only (fake-quant) reference (module docstring).
+    Raises:
+        SetupError: neither ``sim`` nor ``reference``.
+    """
     from nhil.compiler import export_decode, raise_graph
     from nhil.compiler.lower import lower_decode_graph
     from nhil.compiler.quantize import RECIPES, build_plan
@@ -54,6 +74,11 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
     from nhil.runtime import Runner, run_teacher_forced
     from nhil.targets import get_target
 
+    from nhil.errors import SetupError
+    from nhil.golden.quant_reference import QuantReference
+
+    if not (sim or reference):
+        raise SetupError("quant-report with neither the simulator nor the reference measures nothing; drop --no-sim or --no-reference")
     recipes = list(recipes or RECIPES)
     t0 = time.perf_counter()
     bundle = get_model(model)
@@ -74,6 +99,7 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * mean_ctx
     _log(f"model, goldens and export ready in {time.perf_counter() - t0:.0f} s; {len(recipes)} recipes x {len(prompt_ids)} prompts")
     src = str(bundle.source)
+    previous, sim_from = ({}, None) if sim else _previous_rows(output, model, bundle.weights_id, prompt_text, tokens)
     rows = []
     for rec in recipes:
         t1 = time.perf_counter()
@@ -81,10 +107,20 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
             _log(f"{rec}: skipped ({model} was not loaded from a GGUF file)")
             continue
         plan = build_plan(rec, gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model)
+        ref_cols, ref_logits = _reference_columns(QuantReference(gm, plan, mode="fake-quant"), prompt_ids, goldens) if reference else ({}, None)
+        if not sim:
+            if rec not in previous:
+                _log(f"{rec}: no simulator row in {Path(output).with_suffix('.json')} for these prompts; run with the simulator first")
+                continue
+            rows.append({**previous[rec], **ref_cols})
+            _log(f"{rec}: format-only reference top1 {ref_cols['ref_top1_agreement']:.3f} SQNR {ref_cols['ref_logits_sqnr_db']:.1f} dB")
+            write_report(_assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0, sim_from), output)
+            continue
         prog = lower_decode_graph(gm, device, model_name=model, quant=plan)
         qinfo = prog.info.get("quant", {})
         kls, top1, match, all_ref, all_err, worst_step = [], [], [], [], [], math.inf
         layer_sqnr, layer_cos = math.inf, 1.0
+        sim_logits = []
         for pi, (ids, g) in enumerate(zip(prompt_ids, goldens)):
             tgt = get_target("sim", device=device)
             with tgt:
@@ -93,6 +129,7 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
                 gtok = [int(t) for t in g["tokens"].tolist()]
                 tf = run_teacher_forced(runner, ids, gtok)
             ref = g["logits"].numpy()
+            sim_logits.append(np.asarray(tf.logits, np.float64)[: ref.shape[0]])
             cmp = metrics.compare_logits(ref, tf.logits)
             kls += [s["kl"] for s in cmp["steps"]]
             top1 += [s["top1_agree"] for s in cmp["steps"]]
@@ -128,17 +165,60 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
             "bits_per_weight": 8 * wbytes / max(1, n_w),
             "decode_bytes_per_token": int(wbytes + kv_bytes),
             "seconds": round(time.perf_counter() - t1, 1),
+            **ref_cols,
         }
+        if ref_logits is not None:
+            fq = np.concatenate(ref_logits)
+            row["device_vs_reference_sqnr_db"] = _sqnr(fq, np.concatenate(sim_logits) - fq)
         rows.append(row)
         _log(f"{rec}: top1 {row['top1_agreement']:.3f} KL mean {row['kl_mean']:.4f} SQNR {row['logits_sqnr_db']:.1f} dB greedy {row['greedy_match_min']}/{tokens} {row['bits_per_weight']:.2f} b/w ({row['seconds']} s)")
         write_report(_assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0), output)  # after every recipe
-    rep = _assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0)
+    rep = _assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0, sim_from)
     write_report(rep, output)
     return rep
 
 
-def _assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0) -> dict:
-    return {
+def _reference_columns(qref, prompt_ids: list, goldens: list) -> tuple[dict, list]:
+    """Teacher-force the format-only reference on every prompt: (its columns, its logits per prompt)."""
+    from nhil.golden import metrics
+    from nhil.runtime import run_teacher_forced
+
+    kls, top1, all_ref, all_err, logits = [], [], [], [], []
+    for ids, g in zip(prompt_ids, goldens):
+        gtok = [int(t) for t in g["tokens"].tolist()]
+        tf = run_teacher_forced(qref, ids, gtok)
+        ref = g["logits"].numpy()
+        cmp = metrics.compare_logits(ref, tf.logits)
+        kls += [s["kl"] for s in cmp["steps"]]
+        top1 += [s["top1_agree"] for s in cmp["steps"]]
+        logits.append(np.asarray(tf.logits, np.float64)[: ref.shape[0]])
+        all_ref.append(ref)
+        all_err.append(logits[-1] - ref)
+    cols = {
+        "ref_top1_agreement": float(np.mean(top1)),
+        "ref_kl_mean": float(np.mean(kls)),
+        "ref_logits_sqnr_db": _sqnr(np.concatenate(all_ref), np.concatenate(all_err)),
+    }
+    return cols, logits
+
+
+def _previous_rows(output, model: str, weights_id: str, prompts: list[str], tokens: int) -> tuple[dict, str | None]:
+    """Rows (by recipe) of an existing report JSON measured with the same model, weights, prompts and tokens, and a
+    note of when its simulator columns were measured; ({}, None) if there is none."""
+    path = Path(output).with_suffix(".json")
+    if not path.exists():
+        return {}, None
+    old = json.loads(path.read_text())
+    if (old.get("model"), old.get("weights_id"), old.get("prompts"), old.get("tokens_per_prompt")) != (model, weights_id, prompts, tokens):
+        _log(f"{path} was measured with another model/weights/prompts/tokens; its simulator rows are not reused")
+        return {}, None
+    when = old.get("simulator_columns_from") or f"{old.get('date')}, {old.get('seconds', 0):.0f} s"
+    return {r["recipe"]: r for r in old.get("rows", [])}, when
+
+
+def _assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0, sim_from: str | None = None) -> dict:
+    extra = {"simulator_columns_from": sim_from} if sim_from else {}
+    return {**extra,
         "model": model,
         "weights_id": bundle.weights_id,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
@@ -174,7 +254,8 @@ def render_markdown(rep: dict) -> str:
         "",
         f"Generated by `nhil quant-report` on {rep['date']} (target `{rep['target']}`, device `{rep['device']}`), "
         f"{len(rep['prompts'])} prompts x {rep['tokens_per_prompt']} teacher-forced tokens, against the {rep['golden']}. "
-        f"Weights `{rep['weights_id'][:23]}...`. Total {rep['seconds']:.0f} s.",
+        f"Weights `{rep['weights_id'][:23]}...`. Total {rep['seconds']:.0f} s"
+        + (f" for the reference columns; the simulator columns are from an earlier run ({rep['simulator_columns_from']})." if rep.get("simulator_columns_from") else "."),
         "",
         "Prompts: " + "; ".join(f"`{p}`" for p in rep["prompts"]),
         "",
@@ -198,4 +279,26 @@ def render_markdown(rep: dict) -> str:
         "(rows are not packed denser), so the bytes are what the MAC bursts read, not DRAM rows allocated.",
         "",
     ]
+    ref_rows = [r for r in rep["rows"] if "ref_top1_agreement" in r]
+    if ref_rows:
+        lines += [
+            "## Format vs device",
+            "",
+            "The format-only reference (`nhil.golden.quant_reference`, mode `fake-quant`: the recipe's dequantized weights, "
+            "fp32 activations, fp32 attention) over the same prompts and teacher-forced tokens, against the same golden: the "
+            "accuracy the format itself allows. The simulator's columns above add bf16 activations and the MAC's fixed-order "
+            "fp32 summation; `device vs reference` is the SQNR of the simulator's logits against the reference's (higher = the "
+            "device adds less). The device-numerics reference equals the simulator bit for bit (`tests/test_quant.py`), so "
+            "it is not a separate row.",
+            "",
+            "| recipe | top-1 (format only) | top-1 (sim) | KL mean (format only) | KL mean (sim) | logits SQNR dB (format only) | logits SQNR dB (sim) | device vs reference SQNR dB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in ref_rows:
+            dv = r.get("device_vs_reference_sqnr_db")
+            lines.append(
+                f"| `{r['recipe']}` | {r['ref_top1_agreement']:.3f} | {r['top1_agreement']:.3f} | {r['ref_kl_mean']:.4f} | {r['kl_mean']:.4f} | "
+                f"{r['ref_logits_sqnr_db']:.1f} | {r['logits_sqnr_db']:.1f} | {'–' if dv is None else f'{dv:.1f}'} |"
+            )
+        lines.append("")
     return "\n".join(lines)

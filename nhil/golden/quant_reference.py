@@ -1,0 +1,298 @@
+"""Quantized PyTorch reference: the raised decode graph executed with the device's numerics.
+
+The simulator, the RTL and the board must give the same bits as this reference; it
+is written independently of them (no simulator, executor, bank image or packing code):
+it interprets the raised FX graph (``nhil.compiler.raising.raise_graph(ep, "decode")``)
+node by node in PyTorch, and
+
+* ``nhil::linear``: ``y = W x`` with the weight in its stored format and the MAC of
+  ``docs/numerics.md`` ("MAC" and "MAC with quantized weights"): activations rounded
+  to bf16 (RNE), per 16-lane burst ``s = dot16(e * a)`` as the fixed pairwise tree in
+  fp32, then ``s *= c1``, ``s *= c2``, ``s += dot16(a) * m``, and the bursts accumulated
+  in order along K from +0 in fp32 (every step IEEE binary32 RNE; a NaN result is the
+  canonical ``0x7FC00000``). ``e``, ``c1``, ``c2``, ``m`` come from the quantization
+  plan's :class:`~nhil.numerics.formats.QTensor` fields (``QTensor.operands()``; the
+  device decodes them from the packed bank rows instead); bf16 weights are ``e`` = the
+  fp32 weight rounded to bf16, no scales. A bias is added afterwards in fp32.
+* ``nhil::attention_kv``: decode attention as the device runs it (``docs/isa.md``,
+  ``nhil/compiler/lower_attention.py``): k and v appended to a bf16 KV cache (zeros
+  initially); scores ``q_j · K_t`` = the bf16 MAC over ``head_dim`` (q rounded to bf16)
+  for every cache position ``t < L``; the host softmax ``softmax(scale * scores)`` over
+  the visible keys (masked ones exactly 0), fp32, as the ``masked_softmax`` host kernel;
+  output ``p_j · V`` = the bf16 MAC over the ``L`` cache positions (p rounded to bf16).
+* every other primitive (embedding, RMSNorm, RoPE, SiLU gating, residual add, ...):
+  its own reference kernel (``torch.ops.nhil.*``) in fp32, i.e. the graph IR as is.
+
+The burst tree is written with torch tensor slicing (elementwise fp32 ``*`` and ``+``
+are IEEE binary32 with RNE on CPU; ``torch.sum``/``matmul`` would reorder and are never
+used), so it is a second implementation of ``nhil.numerics.mac`` rather than a call to it.
+
+``mode="fake-quant"`` instead computes each linear as ``F.linear`` of fp32 activations
+with the format's dequantized weight and attention by the ``attention_kv`` reference
+kernel (fp32 SDPA): the format's own accuracy loss without the device's bf16
+activations and summation order (the "format" vs "device" split of the quant report).
+
+A :class:`QuantReference` has the ``reset()`` / ``step(token, pos)`` interface of
+:class:`nhil.runtime.Runner`, so the generation loops of ``nhil.runtime.generate``
+(teacher-forced, greedy) run it unchanged; ``step`` returns ``logits`` and the
+``act.*`` activations under the same names as a lowered program's outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import numpy as np
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from nhil.errors import CompileError, RunError
+
+LANES = 16  # MAC burst width (docs/numerics.md)
+_NAN_BITS = 0x7FC00000
+MODES = ("device", "fake-quant")
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 (RNE, torch's cast) -> fp32; float32 tensor of the same shape."""
+    return x.to(torch.float32).to(torch.bfloat16).to(torch.float32)
+
+
+def _canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        x = x.clone()
+        x.view(torch.int32)[nan] = _NAN_BITS
+    return x
+
+
+def burst_tree(p: torch.Tensor) -> torch.Tensor:
+    """Fixed pairwise tree over 16-lane bursts: float32 [..., n*16] -> [..., n].
+
+    Level 1 adds lanes (0,1), (2,3), ..., level 2 pairs of those, 4 levels in all
+    (``docs/numerics.md`` "MAC", step 2); each addition is an fp32 RNE add.
+    """
+    p = p.reshape(p.shape[:-1] + (-1, LANES))
+    while p.shape[-1] > 1:
+        p = p[..., 0::2] + p[..., 1::2]
+    return p[..., 0]
+
+
+def accumulate_bursts(s: torch.Tensor) -> torch.Tensor:
+    """``acc = +0; acc = fp32(acc + s[..., j])`` for j in order: float32 [..., n] -> [...]."""
+    acc = torch.zeros(s.shape[:-1], dtype=torch.float32)
+    for j in range(s.shape[-1]):
+        acc = acc + s[..., j]
+    return acc
+
+
+def _pad_lanes(x: torch.Tensor) -> torch.Tensor:
+    pad = (-x.shape[-1]) % LANES
+    return F.pad(x, (0, pad)) if pad else x
+
+
+class MacWeight:
+    """A linear weight as the MAC reads it: element values ``e`` [N, Kp] and per-burst
+    ``c1``/``c2``/``m`` [N, Kp/16] (None when the format has none), Kp = K padded to 16;
+    ``deq`` [N, K] is the dequantized fp32 weight (``docs/numerics.md``). Both are built on
+    first use (a SmolLM2-size model holds one of them, not both).
+
+    Built from a :class:`~nhil.numerics.formats.QTensor` (its ``operands()``) or, for
+    bf16 (``qt=None``), from the fp32 weight [N, K] rounded to bf16.
+    """
+
+    def __init__(self, weight: torch.Tensor, qt=None) -> None:
+        self.weight, self.qt = weight.detach(), qt
+        self.fmt = qt.fmt.name if qt is not None else "bf16"
+        self.n_out, self.n_in = int(weight.shape[0]), int(weight.shape[1])
+        self._ops = None
+        self._deq = None
+
+    def _operands(self):
+        if self._ops is None:
+            if self.qt is None:
+                self._ops = (_pad_lanes(round_bf16(self.weight)), None, None, None)
+            else:
+                ops = self.qt.operands()
+                t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+                self._ops = (_pad_lanes(t(ops.e)), t(ops.c1), t(ops.c2), t(ops.m))
+        return self._ops
+
+    @property
+    def e(self) -> torch.Tensor:
+        return self._operands()[0]
+
+    @property
+    def deq(self) -> torch.Tensor:
+        if self._deq is None:
+            self._deq = round_bf16(self.weight) if self.qt is None else torch.from_numpy(np.ascontiguousarray(self.qt.dequantize(), dtype=np.float32))
+        return self._deq
+
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """Device GEMV: float32 [K] activations (rounded to bf16 here) -> float32 [N]."""
+        e, c1, c2, m = self._operands()
+        a = _pad_lanes(round_bf16(x.reshape(-1)))
+        s = burst_tree(e * a)
+        if c1 is not None:
+            s = s * c1
+        if c2 is not None:
+            s = s * c2
+        if m is not None:
+            s = s + burst_tree(a) * m
+        return _canonical_nan(accumulate_bursts(s))
+
+
+def bf16_mac_rows(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """bf16 MAC of each row of ``rows`` [..., R, K] with ``x`` [..., K] (both rounded to bf16): [..., R]."""
+    a = _pad_lanes(round_bf16(x)).unsqueeze(-2)
+    return _canonical_nan(accumulate_bursts(burst_tree(_pad_lanes(round_bf16(rows)) * a)))
+
+
+class QuantReference(torch.fx.Interpreter):
+    """Executes a raised decode-step graph with the device's numerics (module docstring).
+
+    Args:
+        gm: raised decode graph (one token, static KV cache), inputs ``input_ids`` [1, 1]
+            and ``cache_position`` [1], output logits [1, 1, V].
+        plan: :class:`nhil.compiler.quantize.QuantPlan` giving each linear's stored
+            weight (the same plan the compiler lowers with), or None for all-bf16 weights.
+        mode: ``"device"`` (bit-exact device numerics) or ``"fake-quant"`` (fp32
+            activations, dequantized weights, fp32 attention).
+
+    Raises:
+        CompileError: unknown mode, or the graph holds a primitive with device numerics
+            this reference does not model (e.g. ``nhil::moe``, cache-less ``attention``).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, plan=None, mode: str = "device") -> None:
+        super().__init__(gm)
+        if mode not in MODES:
+            raise CompileError(f"unknown quantized-reference mode {mode!r}; use one of {', '.join(MODES)}")
+        self.plan = plan
+        self.mode = mode
+        self.weights: dict[str, MacWeight] = {}
+        self.cache_names: set[str] = set()
+        self.acts: dict[str, str] = {}  # graph node name -> output name (act.*)
+        layer_out: dict[int, str] = {}
+        for n in gm.graph.nodes:
+            if n.op != "call_function":
+                continue
+            op = getattr(n.target, "_opname", None) or str(n.target)
+            ns = getattr(n.target, "namespace", None)
+            if ns == "nhil" and op in ("moe", "attention"):
+                raise CompileError(f"the quantized reference has no device numerics for nhil::{op} (node {n.name}); it covers decode graphs of linear, attention_kv and host primitives")
+            if ns == "nhil" and op == "attention_kv":
+                self.cache_names.update(a.target for a in n.args[3:5])
+            if ns == "nhil" and op == "embedding":
+                self.acts[n.name] = "act.model.embed_tokens"
+            if ns == "nhil" and op == "add":  # residual stream after each decoder layer (nhil.compiler.lower's act.model.layers.N)
+                m = re.search(r"(?:^|\.)layers\.(\d+)$", n.meta.get("nn_module_stack_path", ""))
+                if m:
+                    layer_out[int(m.group(1))] = n.name
+        for layer, name in layer_out.items():
+            self.acts[name] = f"act.model.layers.{layer}"
+        self.caches: dict[str, torch.Tensor] = {}
+        self._captured: dict[str, torch.Tensor] = {}
+        self.reset()
+
+    # ---------------------------------------------------------------- Runner-like interface
+    def reset(self) -> None:
+        """Zero the KV caches (start of a sequence)."""
+        self.caches = {}
+        for name in self.cache_names:
+            t = self.module
+            for part in name.split("."):
+                t = getattr(t, part)
+            self.caches[name] = torch.zeros_like(t, dtype=torch.float32)
+
+    def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
+        """Run one decode step: token id at cache position ``pos``.
+
+        Returns:
+            ``logits`` float32 [V] and ``act.model.embed_tokens`` / ``act.model.layers.N``
+            float32 [H] (the residual stream after the embedding and after each layer).
+        Raises:
+            RunError: ``pos`` outside the static KV cache ``[0, L)``.
+        """
+        max_len = min((int(c.shape[2]) for c in self.caches.values()), default=None)
+        if max_len is not None and not 0 <= int(pos) < max_len:
+            raise RunError(f"cache position {pos} outside the static KV cache of {max_len} positions; export the decode graph with a longer max_cache_len")
+        self._captured = {}
+        with torch.no_grad():
+            out = self.run(torch.tensor([[int(token)]], dtype=torch.long), torch.tensor([int(pos)], dtype=torch.long))
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        res = {"logits": out.detach().reshape(-1).numpy().astype(np.float32, copy=True)}
+        for k, v in self._captured.items():
+            res[k] = v.detach().reshape(-1).numpy().astype(np.float32, copy=True)
+        return res
+
+    # ---------------------------------------------------------------- interpreter hooks
+    def get_attr(self, target, args, kwargs):
+        if target in self.caches:
+            return self.caches[target]
+        return super().get_attr(target, args, kwargs)
+
+    def run_node(self, n: torch.fx.Node):
+        if n.op == "call_function" and getattr(n.target, "_opname", None) == "linear":
+            self._current_weight_node = n.args[1]  # _weight names the linear's weight by its graph constant
+        out = super().run_node(n)
+        if n.name in self.acts:
+            self._captured[self.acts[n.name]] = out
+        return out
+
+    def call_function(self, target, args, kwargs):
+        ns = getattr(target, "namespace", None)
+        op = getattr(target, "_opname", None)
+        if ns == "nhil" and op == "linear":
+            return self._linear(*args, **kwargs)
+        if ns == "nhil" and op == "attention_kv" and self.mode == "device":
+            return self._attention_kv(*args, **kwargs)
+        if target is operator.getitem or ns == "nhil":
+            return super().call_function(target, args, kwargs)
+        raise CompileError(f"the quantized reference runs raised graphs of nhil primitives only; found {target}")
+
+    # ---------------------------------------------------------------- device numerics
+    def _weight(self, w: torch.Tensor) -> MacWeight:
+        node = self._current_weight_node
+        name = node.target if node.op == "get_attr" else node.name
+        if name not in self.weights:
+            qt = self.plan.weight(name, w) if self.plan is not None else None
+            self.weights[name] = MacWeight(w, qt)
+        return self.weights[name]
+
+    def _linear(self, x, w, bias=None):
+        mw = self._weight(w)
+        lead = x.shape[:-1]
+        if self.mode == "fake-quant":
+            y = F.linear(x, mw.deq)
+        else:
+            rows = [mw.gemv(v) for v in x.reshape(-1, x.shape[-1])]  # one GEMV per token
+            y = torch.stack(rows).reshape(*lead, mw.n_out)
+        if bias is not None:
+            y = torch.ops.nhil.add(y, bias.expand_as(y))
+        return y
+
+    def _attention_kv(self, q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale, window=None, softcap=None):
+        from nhil.compiler.primitives import visible_mask
+
+        hkv, L, hd = int(k_cache.shape[1]), int(k_cache.shape[2]), int(k_cache.shape[3])
+        if q.shape[0] != 1 or q.shape[1] != 1:
+            raise CompileError(f"the quantized reference runs one decode token at a time, got q of shape {tuple(q.shape)}")
+        pos = int(cache_position.reshape(-1)[0])
+        k_cache[0, :, pos] = round_bf16(k.reshape(hkv, hd))  # WR_SBK stores bf16
+        v_cache[0, :, pos] = round_bf16(v.reshape(hkv, hd))
+        rep = num_heads // num_kv_heads
+        qh = q.reshape(num_heads, hd)
+        kh = k_cache[0].repeat_interleave(rep, dim=0)  # [Hq, L, hd]
+        scores = bf16_mac_rows(kh, qh)  # [Hq, L]
+        s = scores * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        vis = visible_mask(torch.tensor([pos]), L, window)[0]
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)  # host masked_softmax
+        vt = v_cache[0].transpose(1, 2).repeat_interleave(rep, dim=0)  # [Hq, hd, L]: Vᵀ rows
+        out = bf16_mac_rows(vt, p)  # [Hq, hd]
+        return out.reshape(1, 1, num_heads * hd)
+
