@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Annotated
+
+import typer
 
 from nhil.errors import NhilError, SetupError
 
 
 def fpga_emu(
-    device: str = "aim-like",
-    faults: str = "",
-    rtl: bool = False,
-    tcp: int = 0,
-    host: str = "127.0.0.1",
-    verbose: bool = False,
+    device: Annotated[str, typer.Option(help="device preset served (aim-like fits the real SmolLM2 program)")] = "aim-like",
+    faults: Annotated[str, typer.Option(help="fault injection: per wire byte byte_flip/byte_drop/byte_dup=RATE, per frame "
+                                             "frame_flip/frame_drop/frame_dup/frame_delay=RATE (delay_ms=20), reset_after=N, "
+                                             "dir=both|rx|tx, seed=S; e.g. byte_flip=0.01,byte_drop=0.002,seed=1 (docs/link-protocol.md section 11)")] = "",
+    rtl: Annotated[bool, typer.Option(help="execute programs on the RTL target instead of the functional simulator")] = False,
+    tcp: Annotated[int, typer.Option(help="listen on this TCP port instead of a pty (0: pty)")] = 0,
+    host: Annotated[str, typer.Option(help="address to bind in TCP mode")] = "127.0.0.1",
+    verbose: Annotated[bool, typer.Option(help="log rejected frames and device errors to stderr")] = False,
 ) -> None:
     """Board emulator: serves the FPGA link protocol on a pty (default) or on TCP port ``tcp``.
 
