@@ -27,7 +27,7 @@ from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Instr, Op
 from nhil.targets.base import DEVICE_OPS, ResolvedInstr
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
-from nhil.targets.fpga.fragment import Reassembler, ReassemblyError, ReplyBuffer
+from nhil.targets.fpga.fragment import QUERY_MAX_RANGES, Reassembler, ReassemblyError, ReplyBuffer
 from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, END, Bad, Deframer, Frame, encode_frame
 from nhil.targets.sim.device import PimState
 
@@ -266,11 +266,14 @@ class Board:
                 return
             self._send(send, P.REPLY_DATA, f.seq, P.pack_reply_data(off, data))
             return
-        if f.type == P.MSG_QUERY:  # read-only, never cached: where the open message stands
-            if f.payload:
-                self._error(send, f.seq, P.E_BAD_LENGTH, f"MSG_QUERY takes no payload, got {len(f.payload)} bytes")
+        if f.type == P.MSG_QUERY:  # read-only, never cached: where the open message stands, and what it lacks
+            try:
+                start, limit = P.unpack_msg_query(f.payload)
+            except P.ProtocolError as e:
+                self._error(send, f.seq, P.E_BAD_LENGTH, str(e))
                 return
-            self._send(send, P.FRAG_ACK, f.seq, P.pack_frag_ack(self.reasm.received, self.reasm.total))
+            limit = min(limit, QUERY_MAX_RANGES, (self.max_payload - 8) // 8)
+            self._send(send, P.FRAG_ACK, f.seq, P.pack_frag_ack(self.reasm.received, self.reasm.total, self.reasm.missing(start, limit)))
             return
         if self.cache is not None and self.cache[0] == f.seq and self.cache[1] == f.type:
             self.counters["duplicates"] += 1
