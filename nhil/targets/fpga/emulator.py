@@ -169,6 +169,7 @@ class Board:
         self.rtl = rtl
         self.faults = faults or FaultSpec()
         self.inj = FaultInjector(self.faults)
+        self._flush = None  # set while on_bytes collects replies
         self.log = log
         self._decoded: dict[bytes, Instr] = {}  # word -> decoded Instr (valid words only)
         self.resets_done = 0
@@ -198,8 +199,27 @@ class Board:
 
     # ------------------------------------------------------------ bytes in, frames out
     def on_bytes(self, data: bytes, send: Callable[[bytes], None]) -> None:
-        """Process received bytes; ``send(wire_bytes)`` each reply."""
+        """Process received bytes; ``send(wire_bytes)`` the replies they cause.
+
+        Replies are collected and sent in one call at the end (fewer writes when a window of frames
+        arrives at once), except that ACCEPTED goes out at once, before its EXEC runs.
+        """
         data = self.inj.rx(data)
+        out: list[bytes] = []
+
+        def flush() -> None:
+            if out:
+                send(self.inj.tx_many(out))
+                out.clear()
+
+        self._flush = flush
+        try:
+            self._on_frames(data, out.append)
+        finally:
+            self._flush = None
+            flush()
+
+    def _on_frames(self, data: bytes, send: Callable[[bytes], None]) -> None:
         for ev in self.deframer.feed(data):
             if isinstance(ev, Bad):
                 self.counters["frames_bad"] += 1
@@ -218,8 +238,10 @@ class Board:
                 self.deframer.synced = True
 
     def _send(self, send, type_: int, seq: int, payload: bytes = b"", flags: int = 0) -> None:
-        # the extra END closes the frame even if its last END is lost on the line
-        send(self.inj.tx(encode_frame(type_, flags, seq, self.nonce, payload) + _END_B))
+        # the extra END closes the frame even if its last END is lost on the line; faults are applied at the flush
+        send(encode_frame(type_, flags, seq, self.nonce, payload) + _END_B)
+        if type_ == P.ACCEPTED and self._flush is not None:
+            self._flush()
 
     def _reply(self, send, seq: int, rtype: int, rpayload: bytes, split: bool, flags: int = 0) -> None:
         """Send a reply inline, or (request flagged F_SPLIT_REPLY, payload over INLINE_REPLY_MAX) as REPLY_HEAD for FETCH."""
