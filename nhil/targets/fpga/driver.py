@@ -46,10 +46,12 @@ MIN_FRAGMENT = 16  # smallest fragment data budget (bytes)
 GROW, SHRINK = 1.5, 0.8  # budget x GROW after a good exchange, x SHRINK**k after the k-th failure in a row
 MIN_RTO = 0.02  # seconds: floor of the adaptive reply timeout
 WINDOW = 16  # first and smallest window: fragments (or FETCHes) sent back to back before waiting (section 6)
-WINDOW_MAX = 256  # largest window (the board keeps up to 1024 received ranges, fragment.MAX_RANGES)
-QUERY_EVERY = 16  # one MSG_QUERY per this many fragments of a window, starting at that fragment
-PER_FRAME_S = 0.0005  # allowance for the board to process one frame of a window (the emulator is Python)
-QUERY_RANGES = 4  # missing ranges asked per MSG_QUERY (a short reply survives a noisy line)
+WINDOW_MAX = 512  # largest window (the board keeps up to 1024 received ranges, fragment.MAX_RANGES)
+QUERY_EVERY = 8  # one MSG_QUERY per this many fragments of a window, starting at that fragment
+PER_FRAME_S = 0.0001  # allowance for the board to process one frame of a window (the emulator takes ~20 us)
+QUERY_COPIES = 2  # copies of each range MSG_QUERY closing a window
+QUERY_LAST_COPIES = 4  # plain MSG_QUERYs (8-byte reply) after them
+QUERY_RANGES = 2  # missing ranges asked per MSG_QUERY (a short reply survives a noisy line)
 _END_B = bytes([END])
 
 
@@ -459,7 +461,8 @@ class FpgaTarget(Target):
         t_sent = time.monotonic()
         deadline = t_sent + self._rto(nbytes + 64)
         grace = 0.002
-        per_frame = PER_FRAME_S + 20 * 64 * max(copies, tail_copies) / self.baud
+        nframes = copies * len(reqs) + tail_copies * len(tail)
+        per_frame = PER_FRAME_S + 10 * (len(wire) / nframes + 32) / self.baud  # board time + wire time of one more reply
         while True:
             ev = self._recv(deadline)
             if ev is None:
@@ -623,8 +626,9 @@ class FpgaTarget(Target):
             if not frags:
                 return frontier
             starts = sorted({frags[k][0] for k in range(0, len(frags), QUERY_EVERY)})
-            tail = [(P.MSG_QUERY, P.pack_msg_query(s, QUERY_RANGES)) for s in starts]
-            got, answers = self._burst([(t, pl) for _, _, t, pl in frags], name, copies=1, tail=tail, tail_copies=2)
+            # the last query is a plain one (short reply, more copies): its arrival ends the wait for the window
+            tail = [(P.MSG_QUERY, P.pack_msg_query(s, QUERY_RANGES)) for s in starts] + [(P.MSG_QUERY, b"")] * QUERY_LAST_COPIES
+            got, answers = self._burst([(t, pl) for _, _, t, pl in frags], name, copies=1, tail=tail, tail_copies=QUERY_COPIES)
             known = set()
             for i, ev in got.items():
                 if ev.type == P.FRAG_ACK:
@@ -638,6 +642,8 @@ class FpgaTarget(Target):
                 else:
                     raise LinkError(f"protocol violation: {name}: fragment [{frags[i][0]}, {frags[i][1]}) of {total} answered with {P.NAMES.get(ev.type, hex(ev.type))}")
             for j, ev in answers.items():
+                if j >= len(starts):
+                    continue  # the plain closing query
                 if ev.type == P.ERROR:
                     self._board_error(f"{name} (MSG_QUERY)", ev)
                 try:
