@@ -171,6 +171,7 @@ class FpgaTarget(Target):
         self.budget = self.budget_max = self.budget_min_seen = DEFAULT_MAX_PAYLOAD - P.BEGIN_HEADER
         self._fails = 0  # failed exchanges in a row
         self.window = WINDOW  # frames per selective-repeat window (adapts, section 6)
+        self._fd: int | None = None  # selectable descriptor of the port, if it has one
         self._srtt: float | None = None
         self._rttvar = 0.0
         self.info: dict = {}
@@ -201,6 +202,10 @@ class FpgaTarget(Target):
             self.url = self.port
         try:
             self.ser = serial.serial_for_url(self.url, baudrate=self.baud, timeout=0.02, write_timeout=max(10.0, self.run_timeout))
+            try:  # a selectable descriptor (device, pty, socket://) lets _recv wait exactly until its deadline
+                self._fd = self.ser.fileno() if hasattr(self.ser, "fileno") else None
+            except Exception:
+                self._fd = None
         except (serial.SerialException, OSError, ValueError) as e:
             self.close()
             raise LinkError(f"cannot open serial port {self.url}: {e}") from None
@@ -294,10 +299,15 @@ class FpgaTarget(Target):
     def _recv(self, deadline: float) -> Frame | Bad | None:
         """Next received frame or bad run, or ``None`` at ``deadline``."""
         while not self._q:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
             try:
                 n = self.ser.in_waiting
+                if not n and self._fd is not None:  # wait no longer than the deadline (read(1) blocks up to ser.timeout)
+                    if not select.select([self._fd], [], [], min(left, 0.02))[0]:
+                        continue
+                    n = self.ser.in_waiting
                 data = self.ser.read(n if n else 1)
                 if data and not n:
                     more = self.ser.in_waiting
