@@ -371,3 +371,19 @@ def test_a_line_that_goes_bad_mid_run_ends_in_link_fail_with_a_clear_message():
         th.join(5)
         os.close(master)
         os.close(slave)
+
+
+def test_board_sends_the_replies_to_one_read_in_one_write_in_order():
+    """A window of frames arriving in one read is answered with one write holding every reply, in request order."""
+    w = Wire()
+    inner = bytes(range(200))
+    wire = encode_frame(P.MSG_BEGIN, 0, 10, w.nonce, P.pack_msg_begin(P.STATUS, len(inner), crc32(inner), b""))
+    wire += b"".join(encode_frame(P.MSG_DATA, 0, 11 + i, w.nonce, P.pack_msg_data(40 * k, inner[40 * k : 40 * k + 40])) for i, k in enumerate((3, 1, 2)))
+    wire += encode_frame(P.MSG_QUERY, 0, 14, w.nonce, P.pack_msg_query(0, 8))
+    writes = []
+    w.b.on_bytes(wire, writes.append)
+    assert len(writes) == 1
+    replies = list(w.d.feed(writes[0]))
+    assert [r.seq for r in replies] == [10, 11, 12, 13, 14]
+    assert [P.unpack_frag_ack(r.payload)[0] for r in replies[:4]] == [0, 40, 80, 120]
+    assert P.unpack_frag_ack_missing(replies[4].payload) == (120, 200, [(0, 40), (160, 200)])

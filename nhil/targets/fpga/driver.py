@@ -5,9 +5,11 @@ Stop-and-wait request/reply over any pyserial URL (``/dev/ttyUSB0``, ``rfc2217:/
 is retransmitted (same seq, bounded retries, exponential backoff of the reply timeout)
 until its reply arrives; the board answers a repeated seq from its reply cache, so nothing
 executes twice. Requests over 64 bytes travel as fragmented messages (MSG_BEGIN / MSG_DATA /
-MSG_ZERO) and large replies are fetched in pieces (REPLY_HEAD / FETCH); the fragment size
-adapts to the line (shrinks on every failed exchange, grows on success), so a line that
-corrupts 1% of its bytes still carries data. A changed board session nonce, or an
+MSG_ZERO) and large replies are fetched in pieces (REPLY_HEAD / FETCH); the fragments between
+MSG_BEGIN and the last one, and the FETCHes, go in selective-repeat windows of up to 512 frames
+closed by MSG_QUERYs that list the missing ranges, and only what is missing is sent again. The
+fragment size and the window adapt to the line, so a line that corrupts 1% of its bytes still
+carries data at a good fraction of what its frames allow. A changed board session nonce, or an
 ``E_SESSION`` error, means the board was reset mid-session: that ends the run with
 ``LinkError`` (state is gone), never a retry.
 """
