@@ -73,28 +73,117 @@ def test_host_plan_covers_the_message_and_encodes_zero_runs(msg, budget):
     assert out == (P.EXEC, msg)
 
 
+def _held(r):
+    """The reassembler's state, compared before and after a refused fragment."""
+    return (r.open, r.received, r.total, list(r.starts), list(r.ends), bytes(r.buf))
+
+
+def _missing_ref(have, n, start):
+    """Missing ranges from ``start`` computed from a per-byte ``have`` mask (independent of the range bookkeeping)."""
+    out, i = [], start
+    while i < n:
+        if have[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and not have[j]:
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+@settings(max_examples=300)
+@given(messages, st.data())
+def test_any_order_with_duplicates_reassembles_exactly(msg, data):
+    """Selective repeat: the pieces of any cut, in any order, each possibly repeated, rebuild the message exactly;
+    ``missing`` always equals the complement of what was sent (per-byte reference)."""
+    n = len(msg)
+    cuts = [c for c in _cuts(msg, data.draw, n) if 0 < c < n]
+    bounds = [0, *cuts, n]
+    first = bounds[1] if data.draw(st.booleans()) else 0
+    pieces = [(max(a, first), b) for a, b in zip(bounds, bounds[1:]) if b > first]
+    order = data.draw(st.permutations(pieces))
+    dups = data.draw(st.lists(st.integers(0, max(0, len(order) - 1)), max_size=6)) if order else []
+    seq = list(order)
+    for k in sorted(dups, reverse=True):  # a repeat of an earlier piece, later in the stream
+        seq.insert(data.draw(st.integers(k + 1, len(seq))), order[k])
+    r = Reassembler(1 << 16)
+    have = bytearray(n)
+    have[:first] = b"\x01" * first
+    out = r.begin(P.WRITE_MEM, n, crc32(msg), msg[:first])
+    for a, b in seq:
+        if out is not None:  # complete: the message is closed, a late duplicate finds nothing open
+            with pytest.raises(ReassemblyError) as e:
+                r.data(a, msg[a:b])
+            assert e.value.code == E_FRAGMENT
+            continue
+        start = data.draw(st.integers(0, n))
+        assert r.missing(start, 1 << 20) == _missing_ref(have, n, start)
+        assert r.received == sum(have)
+        piece = msg[a:b]
+        out = r.zero(a, b - a) if not any(piece) and data.draw(st.booleans()) else r.data(a, piece)
+        have[a:b] = b"\x01" * (b - a)
+    assert out == (P.WRITE_MEM, msg)
+    assert not r.open
+
+
 @settings(max_examples=300)
 @given(messages, st.data())
 def test_bad_fragments_are_refused_and_change_nothing(msg, data):
-    """Out-of-order, duplicate, overlapping, out-of-range and orphan fragments: E_FRAGMENT, state unchanged."""
+    """Overlapping (partly, or with other bytes), out-of-range, empty and orphan fragments: E_FRAGMENT, state unchanged."""
     n = len(msg)
     r = Reassembler(1 << 16)
     with pytest.raises(ReassemblyError) as e:  # nothing open yet
         r.data(0, msg[:1])
     assert e.value.code == E_FRAGMENT
-    k = data.draw(st.integers(0, n - 1))  # bytes accepted so far (the message stays incomplete)
-    assert r.begin(P.WRITE_MEM, n, crc32(msg), msg[:k]) is None
-    off = data.draw(st.integers(0, n + 40).filter(lambda o: o != k))  # any offset but the expected one
-    ln = data.draw(st.integers(1, 40))
-    bad = [lambda: r.data(off, bytes(ln)), lambda: r.zero(off, ln),  # out of order / duplicate / overlapping
-           lambda: r.data(k, bytes(n - k + data.draw(st.integers(1, 9)))),  # runs past the end
-           lambda: r.zero(k, 0), lambda: r.zero(k, n - k + 1)]
+    have = bytearray(n)
+    assert r.begin(P.WRITE_MEM, n, crc32(msg), b"") is None
+    for a, b in data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(1, 12)), max_size=6)):
+        b = min(n, a + b)
+        if any(have[a:b]) or sum(have) + (b - a) >= n:
+            continue  # keep the message incomplete and the pieces disjoint
+        assert r.data(a, msg[a:b]) is None
+        have[a:b] = b"\x01" * (b - a)
+    state = _held(r)
+    bad = [lambda: r.data(n, b"x"), lambda: r.zero(0, n + 1), lambda: r.data(data.draw(st.integers(0, n)), bytes(n + 1)),
+           lambda: r.zero(data.draw(st.integers(0, n)), 0), lambda: r.data(n + data.draw(st.integers(0, 9)), b"ab")]
+    held = [i for i in range(n) if have[i]]
+    if held:  # a fragment covering a held byte and a missing one (partial overlap)
+        i = data.draw(st.sampled_from(held))
+        gaps = [j for j in range(n) if not have[j]]
+        j = data.draw(st.sampled_from(gaps))
+        lo, hi = min(i, j), max(i, j) + 1
+        bad.append(lambda: r.data(lo, msg[lo:hi]))
+        bad.append(lambda: r.zero(lo, hi - lo))
+        k = data.draw(st.sampled_from(held))  # a held byte re-sent with another value
+        bad.append(lambda: r.data(k, bytes([msg[k] ^ data.draw(st.integers(1, 255))])))
     for f in bad:
         with pytest.raises(ReassemblyError) as e:
             f()
         assert e.value.code == E_FRAGMENT
-        assert (r.open, r.received, r.total) == (True, k, n)
-    assert r.data(k, msg[k:]) == (P.WRITE_MEM, msg)  # the right fragment still completes it
+        assert _held(r) == state
+    if held:  # an exact duplicate is a no-op
+        k = held[0]
+        assert r.data(k, msg[k : k + 1]) is None and _held(r) == state
+    out = None
+    for lo, hi in r.missing(0, 1 << 20):  # the right fragments still complete it
+        out = r.data(lo, msg[lo:hi])
+    assert out == (P.WRITE_MEM, msg)
+
+
+def test_range_limit_is_enforced_hand_computed():
+    r = Reassembler(100, max_ranges=2)
+    r.begin(P.EXEC, 10, crc32(bytes(range(10))), b"")
+    assert r.data(0, b"\x00") is None and r.data(4, b"\x04") is None
+    state = _held(r)
+    with pytest.raises(ReassemblyError):  # a third disjoint range
+        r.data(8, b"\x08")
+    assert _held(r) == state
+    assert r.data(1, b"\x01") is None  # joins the first range: fine
+    assert (r.starts, r.ends, r.received) == ([0, 4], [2, 5], 3)
+    assert r.missing(0, 8) == [(2, 4), (5, 10)] and r.missing(3, 1) == [(3, 4)]
+    assert r.data(2, bytes([2, 3])) is None and (r.starts, r.ends) == ([0], [5])
 
 
 @given(messages, st.integers(0, 7), st.integers(1, 255))
@@ -165,16 +254,29 @@ def test_board_reassembles_executes_and_serves_fetch():
     total, crc = len(inner), crc32(inner)
     (r,) = w.req(P.MSG_BEGIN, P.pack_msg_begin(P.WRITE_MEM, total, crc, inner[:50]))
     assert r.type == P.FRAG_ACK and P.unpack_frag_ack(r.payload) == (50, total)
-    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(60, inner[60:70]))  # a gap: refused
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(60, inner[60:70]))  # out of order: taken (selective repeat)
+    assert r.type == P.FRAG_ACK and P.unpack_frag_ack(r.payload) == (60, total)
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(55, inner[55:65]))  # overlaps [60, 70) partly: refused
     assert r.type == P.ERROR and P.unpack_error(r.payload)[0] == P.E_FRAGMENT
-    (r,) = w.req(P.MSG_QUERY)
-    assert P.unpack_frag_ack(r.payload) == (50, total)
+    (r,) = w.req(P.MSG_QUERY)  # no range list asked
+    assert r.payload == P.pack_frag_ack(60, total)
+    (r,) = w.req(P.MSG_QUERY, P.pack_msg_query(0, 4))
+    assert P.unpack_frag_ack_missing(r.payload) == (60, total, [(50, 60), (70, total)])
+    (r,) = w.req(P.MSG_QUERY, P.pack_msg_query(55, 1))
+    assert P.unpack_frag_ack_missing(r.payload) == (60, total, [(55, 60)])
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(60, inner[60:70]))  # an exact duplicate: no-op
+    assert P.unpack_frag_ack(r.payload) == (60, total)
     seq = w.seq + 1
-    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(50, inner[50:208]), seq=seq)
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(50, inner[50:60]), seq=seq)
+    assert P.unpack_frag_ack(r.payload) == (70, total)
+    w.seq = seq
+    # a shortened retransmission with the same seq is answered from the cache
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(50, inner[50:55]), seq=seq, flags=P.F_RETX)
+    assert r.flags & P.F_RETX and P.unpack_frag_ack(r.payload) == (70, total)
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(70, inner[70:208]))
     assert P.unpack_frag_ack(r.payload) == (208, total)
-    # a shortened retransmission with the same seq is answered from the cache: the board still holds 208
-    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(50, inner[50:60]), seq=seq, flags=P.F_RETX)
-    assert r.flags & P.F_RETX and P.unpack_frag_ack(r.payload) == (208, total)
+    (r,) = w.req(P.MSG_DATA, P.pack_msg_data(50, inner[50:55]))  # a new seq: a held sub-range, a no-op
+    assert r.flags == 0 and P.unpack_frag_ack(r.payload) == (208, total)
     (r,) = w.req(P.MSG_ZERO, P.pack_msg_zero(208, 200))
     assert P.unpack_frag_ack(r.payload) == (408, total)
     (r,) = w.req(P.MSG_DATA, P.pack_msg_data(408, inner[408:]))
@@ -269,3 +371,19 @@ def test_a_line_that_goes_bad_mid_run_ends_in_link_fail_with_a_clear_message():
         th.join(5)
         os.close(master)
         os.close(slave)
+
+
+def test_board_sends_the_replies_to_one_read_in_one_write_in_order():
+    """A window of frames arriving in one read is answered with one write holding every reply, in request order."""
+    w = Wire()
+    inner = bytes(range(200))
+    wire = encode_frame(P.MSG_BEGIN, 0, 10, w.nonce, P.pack_msg_begin(P.STATUS, len(inner), crc32(inner), b""))
+    wire += b"".join(encode_frame(P.MSG_DATA, 0, 11 + i, w.nonce, P.pack_msg_data(40 * k, inner[40 * k : 40 * k + 40])) for i, k in enumerate((3, 1, 2)))
+    wire += encode_frame(P.MSG_QUERY, 0, 14, w.nonce, P.pack_msg_query(0, 8))
+    writes = []
+    w.b.on_bytes(wire, writes.append)
+    assert len(writes) == 1
+    replies = list(w.d.feed(writes[0]))
+    assert [r.seq for r in replies] == [10, 11, 12, 13, 14]
+    assert [P.unpack_frag_ack(r.payload)[0] for r in replies[:4]] == [0, 40, 80, 120]
+    assert P.unpack_frag_ack_missing(replies[4].payload) == (120, 200, [(0, 40), (160, 200)])

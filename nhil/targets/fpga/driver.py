@@ -5,9 +5,11 @@ Stop-and-wait request/reply over any pyserial URL (``/dev/ttyUSB0``, ``rfc2217:/
 is retransmitted (same seq, bounded retries, exponential backoff of the reply timeout)
 until its reply arrives; the board answers a repeated seq from its reply cache, so nothing
 executes twice. Requests over 64 bytes travel as fragmented messages (MSG_BEGIN / MSG_DATA /
-MSG_ZERO) and large replies are fetched in pieces (REPLY_HEAD / FETCH); the fragment size
-adapts to the line (shrinks on every failed exchange, grows on success), so a line that
-corrupts 1% of its bytes still carries data. A changed board session nonce, or an
+MSG_ZERO) and large replies are fetched in pieces (REPLY_HEAD / FETCH); the fragments between
+MSG_BEGIN and the last one, and the FETCHes, go in selective-repeat windows of up to 512 frames
+closed by MSG_QUERYs that list the missing ranges, and only what is missing is sent again. The
+fragment size and the window adapt to the line, so a line that corrupts 1% of its bytes still
+carries data at a good fraction of what its frames allow. A changed board session nonce, or an
 ``E_SESSION`` error, means the board was reset mid-session: that ends the run with
 ``LinkError`` (state is gone), never a retry.
 """
@@ -45,7 +47,13 @@ DIRECT_MAX = 64  # requests with a larger payload travel as fragmented messages
 MIN_FRAGMENT = 16  # smallest fragment data budget (bytes)
 GROW, SHRINK = 1.5, 0.8  # budget x GROW after a good exchange, x SHRINK**k after the k-th failure in a row
 MIN_RTO = 0.02  # seconds: floor of the adaptive reply timeout
-WINDOW = 16  # fragments (or FETCHes) sent back to back before waiting (section 6 "bursts")
+WINDOW = 16  # first and smallest window: fragments (or FETCHes) sent back to back before waiting (section 6)
+WINDOW_MAX = 512  # largest window (the board keeps up to 1024 received ranges, fragment.MAX_RANGES)
+QUERY_EVERY = 8  # one MSG_QUERY per this many fragments of a window, starting at that fragment
+PER_FRAME_S = 0.0001  # allowance for the board to process one frame of a window (the emulator takes ~20 us)
+QUERY_COPIES = 2  # copies of each range MSG_QUERY closing a window
+QUERY_LAST_COPIES = 4  # plain MSG_QUERYs (8-byte reply) after them
+QUERY_RANGES = 2  # missing ranges asked per MSG_QUERY (a short reply survives a noisy line)
 _END_B = bytes([END])
 
 
@@ -164,6 +172,8 @@ class FpgaTarget(Target):
         self.max_message = DEFAULT_MAX_PAYLOAD
         self.budget = self.budget_max = self.budget_min_seen = DEFAULT_MAX_PAYLOAD - P.BEGIN_HEADER
         self._fails = 0  # failed exchanges in a row
+        self.window = WINDOW  # frames per selective-repeat window (adapts, section 6)
+        self._fd: int | None = None  # selectable descriptor of the port, if it has one
         self._srtt: float | None = None
         self._rttvar = 0.0
         self.info: dict = {}
@@ -194,6 +204,10 @@ class FpgaTarget(Target):
             self.url = self.port
         try:
             self.ser = serial.serial_for_url(self.url, baudrate=self.baud, timeout=0.02, write_timeout=max(10.0, self.run_timeout))
+            try:  # a selectable descriptor (device, pty, socket://) lets _recv wait exactly until its deadline
+                self._fd = self.ser.fileno() if hasattr(self.ser, "fileno") else None
+            except Exception:
+                self._fd = None
         except (serial.SerialException, OSError, ValueError) as e:
             self.close()
             raise LinkError(f"cannot open serial port {self.url}: {e}") from None
@@ -287,10 +301,15 @@ class FpgaTarget(Target):
     def _recv(self, deadline: float) -> Frame | Bad | None:
         """Next received frame or bad run, or ``None`` at ``deadline``."""
         while not self._q:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
             try:
                 n = self.ser.in_waiting
+                if not n and self._fd is not None:  # wait no longer than the deadline (read(1) blocks up to ser.timeout)
+                    if not select.select([self._fd], [], [], min(left, 0.02))[0]:
+                        continue
+                    n = self.ser.in_waiting
                 data = self.ser.read(n if n else 1)
                 if data and not n:
                     more = self.ser.in_waiting
@@ -421,39 +440,46 @@ class FpgaTarget(Target):
             self._adapt(False)
         raise LinkError(f"{name} (seq {seq}) got no valid reply from {self.url} after {self.max_retries} attempts (last: {why}); link: {self._brief()}")
 
-    def _burst(self, reqs: list[tuple[int, bytes]], name: str) -> tuple[dict[int, Frame], Frame | None]:
-        """Send ``reqs`` (type, payload) back to back, each with a fresh seq and ``_copies()`` copies, then a MSG_QUERY.
+    def _burst(self, reqs: list[tuple[int, bytes]], name: str, copies: int = 1,
+               tail: list[tuple[int, bytes]] | None = None, tail_copies: int = 2) -> tuple[dict[int, Frame], dict[int, Frame]]:
+        """Send ``reqs`` (type, payload) back to back, each with a fresh seq in ``copies`` copies, then the ``tail``
+        requests (default one MSG_QUERY) in ``tail_copies`` copies each.
 
-        Collects replies until the MSG_QUERY's reply (the board answers in order, so everything it
-        sent for the burst has arrived by then) or the reply timeout. Returns ({request index: first
-        valid reply}, MSG_QUERY reply or ``None``). Never raises for lost frames: the caller re-sends
-        what is missing.
+        Collects replies until the last tail request's reply (the board answers in order, so everything it
+        sent for the burst has arrived by then), a short grace after any tail reply, or the reply timeout.
+        Returns ({request index: first valid reply}, {tail index: first valid reply}). Never raises for
+        lost frames: the caller re-sends what is missing.
         """
         if self.ser is None:
             raise LinkError("the fpga target is not open")
         if self._dead:
             raise LinkError(self._dead)
-        copies = self._copies()
+        tail = [(P.MSG_QUERY, b"")] if tail is None else tail
         seqs: dict[int, int] = {}
         out = []
         nbytes = 0
-        for i, (t, pl) in enumerate([*reqs, (P.MSG_QUERY, b"")]):
+        for i, (t, pl) in enumerate([*reqs, *tail]):
             self._seq = (self._seq % 0xFFFF) + 1
             seqs[self._seq] = i
             fr = encode_frame(t, 0, self._seq, self.board_nonce, pl) + _END_B
-            out.append(fr * (copies if i < len(reqs) else 2 * copies))  # the closing query is small: send it more often
-            nbytes += copies * (len(fr) + self.budget)
+            c = copies if i < len(reqs) else tail_copies
+            out.append(fr * c)
+            nbytes += c * (len(fr) + (self.budget if t == P.FETCH else 16))
         wire = b"".join(out)
-        self._write(wire, copies * sum(len(pl) for _, pl in reqs))
-        self.link["frames_tx"] += copies * (len(reqs) + 2) - 1
-        last = len(reqs)
+        self._write(wire, copies * sum(len(pl) for _, pl in reqs) + tail_copies * sum(len(pl) for _, pl in tail))
+        self.link["frames_tx"] += copies * len(reqs) + tail_copies * len(tail) - 1
+        last = len(reqs) + len(tail) - 1
         got: dict[int, Frame] = {}
         t_sent = time.monotonic()
         deadline = t_sent + self._rto(nbytes + 64)
+        grace = 0.002
+        nframes = copies * len(reqs) + tail_copies * len(tail)
+        per_frame = PER_FRAME_S + 10 * (len(wire) / nframes + 32) / self.baud  # board time + wire time of one more reply
         while True:
             ev = self._recv(deadline)
             if ev is None:
-                self.link["timeouts"] += 1
+                if not got:
+                    self.link["timeouts"] += 1
                 break
             if isinstance(ev, Bad):
                 continue
@@ -476,18 +502,24 @@ class FpgaTarget(Target):
                 continue
             got[i] = ev
             if i == last:
-                self._rtt_sample(time.monotonic() - t_sent)
+                if len(got) == 1 or max(j for j in got if j != last) < len(reqs):
+                    self._rtt_sample(time.monotonic() - t_sent)
                 break
-        return got, got.pop(last, None)
+            # the board answers in order: once reply i is here, the later ones follow as fast as it processes frames
+            deadline = min(deadline, time.monotonic() + grace + (last - i) * per_frame)
+        return {i: f for i, f in got.items() if i < len(reqs)}, {i - len(reqs): f for i, f in got.items() if i >= len(reqs)}
 
     def _adapt_burst(self, done: int, sent: int) -> None:
-        """Budget after a burst: in-order delivery wastes the rest of a burst after one lost fragment, so aim
-        for most fragments of a burst getting through: grow when at least 90% did, shrink below 60%."""
-        if done >= 0.9 * sent:
+        """Budget and window after a burst. With selective repeat a lost frame wastes only itself, so the
+        fragment size aims at about half of the frames getting through (the goodput optimum of
+        ``L (1-p)^(L+overhead)`` is near a delivery rate of 1/e): grow when at least 50% did, shrink below
+        25%. The window doubles after a burst with progress (up to ``WINDOW_MAX``) and halves without."""
+        if done >= 0.5 * sent:
             self._adapt(True)
-        elif done < 0.6 * sent:
+        elif done < 0.25 * sent:
             self._fails = 0
             self._adapt(False)
+        self.window = min(WINDOW_MAX, self.window * 2) if done else max(WINDOW, self.window // 2)
 
     def _query(self, name: str) -> tuple[int, int]:
         """(received, total) of the board's open message, stop-and-wait."""
@@ -539,31 +571,8 @@ class FpgaTarget(Target):
             while True:
                 # kind and extent are fixed at the first attempt; a retransmission may only carry fewer data bytes
                 kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], pos, self.budget)
-                if begun and e < total:  # not the last fragment: a burst of fragments, then ask where the board stands
-                    reqs, ends, p = [], [], pos
-                    while len(reqs) < WINDOW:
-                        kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], p, self.budget)
-                        if e >= total:
-                            break
-                        reqs.append((P.MSG_ZERO, P.pack_msg_zero(a, e - a)) if kind == "zero" else (P.MSG_DATA, P.pack_msg_data(a, payload[a:e])))
-                        ends.append(e)
-                        p = e
-                    got, q = self._burst(reqs, name)
-                    for i, ev in got.items():
-                        if ev.type == P.ERROR and P.unpack_error(ev.payload)[0] != P.E_FRAGMENT:
-                            self._board_error(name, ev)  # a refused fragment (E_FRAGMENT) only means an earlier one was lost
-                    rec, tot = P.unpack_frag_ack(q.payload) if q is not None and q.type == P.FRAG_ACK else self._query(name)
-                    if tot != total or not pos <= rec <= ends[-1] or (rec not in ends and rec != pos):
-                        raise LinkError(f"protocol violation: {name}: after fragments up to {ends[-1]} the board holds {rec} of {tot} bytes (message of {total}, expected at least {pos})")
-                    done = sum(1 for x in ends if x <= rec)
-                    self.link["fragments"] += len(reqs)
-                    self.link["retries"] += len(reqs) - done
-                    self.link["zero_bytes"] += sum(int(P.unpack_msg_zero(pl)[1]) for (t, pl), x in zip(reqs, ends) if t == P.MSG_ZERO and x <= rec)
-                    self._adapt_burst(done, len(reqs))
-                    stalls = 0 if done else stalls + 1
-                    if stalls >= self.max_retries:
-                        raise LinkError(f"{name}: no fragment at offset {pos} of {total} got through in {stalls} bursts; link: {self._brief()}")
-                    pos = rec
+                if begun and e < total:  # not the last fragment: stream the middle selectively, then finish in order
+                    pos = self._stream(payload, total, runs_all, lens, pos, name)
                     continue
                 if not begun:
                     t, end = P.MSG_BEGIN, (e if kind == "data" else pos)
@@ -594,6 +603,84 @@ class FpgaTarget(Target):
                 pos, begun = got, True
         raise LinkError(f"{name}: the board reassembled a message of {total} bytes with a wrong CRC 3 times; link: {self._brief()}")
 
+    def _stream(self, payload: bytes, total: int, runs_all: np.ndarray, lens: np.ndarray, pos: int, name: str) -> int:
+        """Selective repeat of a message's middle (section 6): fragments of ``[pos, tail)`` go in windows of up to
+        ``self.window`` frames, each window closed by MSG_QUERYs asking for the missing ranges; only fragments not
+        known to be held are sent again, always with their first boundaries (so a repeat is an exact duplicate).
+        ``tail`` is the start of the fragment that would end the message; it is never sent here, so the
+        message cannot complete inside a window. Returns ``tail``: every byte before it is held by the board.
+
+        Raises:
+            LinkError: no progress in ``max_retries`` windows, the board lost the message, protocol violation.
+        """
+        outstanding: list[tuple[int, int, int, bytes]] = []  # (start, end, type, payload) sent, not known held
+        frontier = pos
+        stalls = 0
+        while True:
+            # a fragment planned when the budget was larger is cut to the budget: each piece lies inside a fragment
+            # the board holds entirely or not at all, so a piece is new bytes or an exact duplicate, never an overlap
+            if any(t == P.MSG_DATA and e - a > self.budget for a, e, t, _ in outstanding):
+                b = max(1, self.budget)
+                outstanding = [piece for a, e, t, pl in outstanding for piece in (
+                    [(x, min(e, x + b), t, P.pack_msg_data(x, payload[x : min(e, x + b)])) for x in range(a, e, b)]
+                    if t == P.MSG_DATA and e - a > b else [(a, e, t, pl)])]
+            frags = outstanding[: self.window]
+            new = 0
+            while len(frags) < self.window and frontier < total:
+                kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], frontier, self.budget)
+                if e >= total:
+                    break
+                fr = (a, e, P.MSG_ZERO, P.pack_msg_zero(a, e - a)) if kind == "zero" else (a, e, P.MSG_DATA, P.pack_msg_data(a, payload[a:e]))
+                frags.append(fr)
+                outstanding.append(fr)
+                frontier = e
+                new += 1
+            if not frags:
+                return frontier
+            starts = sorted({frags[k][0] for k in range(0, len(frags), QUERY_EVERY)})
+            # the last query is a plain one (short reply, more copies): its arrival ends the wait for the window
+            tail = [(P.MSG_QUERY, P.pack_msg_query(s, QUERY_RANGES)) for s in starts] + [(P.MSG_QUERY, b"")] * QUERY_LAST_COPIES
+            got, answers = self._burst([(t, pl) for _, _, t, pl in frags], name, copies=1, tail=tail, tail_copies=QUERY_COPIES)
+            known = set()
+            for i, ev in got.items():
+                if ev.type == P.FRAG_ACK:
+                    rec, tot = P.unpack_frag_ack(ev.payload)
+                    if tot != total:
+                        raise LinkError(f"protocol violation: {name}: fragment [{frags[i][0]}, {frags[i][1]}) acknowledged for a message of {tot} bytes, not {total}")
+                    known.add(i)
+                elif ev.type == P.ERROR:
+                    if P.unpack_error(ev.payload)[0] != P.E_FRAGMENT:
+                        self._board_error(name, ev)
+                else:
+                    raise LinkError(f"protocol violation: {name}: fragment [{frags[i][0]}, {frags[i][1]}) of {total} answered with {P.NAMES.get(ev.type, hex(ev.type))}")
+            for j, ev in answers.items():
+                if j >= len(starts):
+                    continue  # the plain closing query
+                if ev.type == P.ERROR:
+                    self._board_error(f"{name} (MSG_QUERY)", ev)
+                try:
+                    rec, tot, miss = P.unpack_frag_ack_missing(ev.payload) if ev.type == P.FRAG_ACK else (0, -1, [])
+                except P.ProtocolError as err:
+                    raise LinkError(f"protocol violation: {name} (MSG_QUERY): {err}") from None
+                if tot != total:
+                    raise LinkError(f"protocol violation: {name}: the board holds no {total}-byte message any more "
+                                    f"(MSG_QUERY answered {P.NAMES.get(ev.type, hex(ev.type))} {rec}/{tot}); it was discarded mid-transfer")
+                lo = starts[j]
+                horizon = total if len(miss) < QUERY_RANGES else miss[-1][1]
+                for i, (a, e, _, _) in enumerate(frags):
+                    if lo <= a and e <= horizon and not any(ml < e and a < mh for ml, mh in miss):
+                        known.add(i)
+            sent_again = len(frags) - new
+            self.link["fragments"] += new
+            self.link["retries"] += sent_again
+            self.link["zero_bytes"] += sum(e - a for k, (a, e, t, _) in enumerate(frags) if t == P.MSG_ZERO and k in known)
+            done = {frags[i][0] for i in known}
+            outstanding = [f for f in outstanding if f[0] not in done]
+            self._adapt_burst(len(known), len(frags))
+            stalls = 0 if known else stalls + 1
+            if stalls >= self.max_retries:
+                raise LinkError(f"{name}: no fragment of [{pos}, {frontier}) of {total} got through in {stalls} windows; link: {self._brief()}")
+
     def _fetch(self, head: Frame, name: str) -> Frame:
         """Read a REPLY_HEAD's reply with FETCHes of the current budget; check its CRC (3 tries)."""
         try:
@@ -609,12 +696,12 @@ class FpgaTarget(Target):
             while missing:
                 reqs, want = [], []
                 for lo, hi in missing:
-                    while lo < hi and len(reqs) < WINDOW:
+                    while lo < hi and len(reqs) < self.window:
                         n = min(hi - lo, max(1, self.budget))
                         reqs.append((P.FETCH, P.pack_fetch(lo, n)))
                         want.append((lo, n))
                         lo += n
-                got, _ = self._burst(reqs, f"{name} (FETCH)")
+                got, _ = self._burst(reqs, f"{name} (FETCH)", copies=self._copies(), tail_copies=2 * self._copies())
                 self.link["fetches"] += len(reqs)
                 filled = []
                 for i, ev in got.items():

@@ -27,7 +27,7 @@ from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Instr, Op
 from nhil.targets.base import DEVICE_OPS, ResolvedInstr
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
-from nhil.targets.fpga.fragment import Reassembler, ReassemblyError, ReplyBuffer
+from nhil.targets.fpga.fragment import QUERY_MAX_RANGES, Reassembler, ReassemblyError, ReplyBuffer
 from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, END, Bad, Deframer, Frame, encode_frame
 from nhil.targets.sim.device import PimState
 
@@ -169,6 +169,7 @@ class Board:
         self.rtl = rtl
         self.faults = faults or FaultSpec()
         self.inj = FaultInjector(self.faults)
+        self._flush = None  # set while on_bytes collects replies
         self.log = log
         self._decoded: dict[bytes, Instr] = {}  # word -> decoded Instr (valid words only)
         self.resets_done = 0
@@ -198,8 +199,27 @@ class Board:
 
     # ------------------------------------------------------------ bytes in, frames out
     def on_bytes(self, data: bytes, send: Callable[[bytes], None]) -> None:
-        """Process received bytes; ``send(wire_bytes)`` each reply."""
+        """Process received bytes; ``send(wire_bytes)`` the replies they cause.
+
+        Replies are collected and sent in one call at the end (fewer writes when a window of frames
+        arrives at once), except that ACCEPTED goes out at once, before its EXEC runs.
+        """
         data = self.inj.rx(data)
+        out: list[bytes] = []
+
+        def flush() -> None:
+            if out:
+                send(self.inj.tx_many(out))
+                out.clear()
+
+        self._flush = flush
+        try:
+            self._on_frames(data, out.append)
+        finally:
+            self._flush = None
+            flush()
+
+    def _on_frames(self, data: bytes, send: Callable[[bytes], None]) -> None:
         for ev in self.deframer.feed(data):
             if isinstance(ev, Bad):
                 self.counters["frames_bad"] += 1
@@ -218,8 +238,10 @@ class Board:
                 self.deframer.synced = True
 
     def _send(self, send, type_: int, seq: int, payload: bytes = b"", flags: int = 0) -> None:
-        # the extra END closes the frame even if its last END is lost on the line
-        send(self.inj.tx(encode_frame(type_, flags, seq, self.nonce, payload) + _END_B))
+        # the extra END closes the frame even if its last END is lost on the line; faults are applied at the flush
+        send(encode_frame(type_, flags, seq, self.nonce, payload) + _END_B)
+        if type_ == P.ACCEPTED and self._flush is not None:
+            self._flush()
 
     def _reply(self, send, seq: int, rtype: int, rpayload: bytes, split: bool, flags: int = 0) -> None:
         """Send a reply inline, or (request flagged F_SPLIT_REPLY, payload over INLINE_REPLY_MAX) as REPLY_HEAD for FETCH."""
@@ -266,11 +288,14 @@ class Board:
                 return
             self._send(send, P.REPLY_DATA, f.seq, P.pack_reply_data(off, data))
             return
-        if f.type == P.MSG_QUERY:  # read-only, never cached: where the open message stands
-            if f.payload:
-                self._error(send, f.seq, P.E_BAD_LENGTH, f"MSG_QUERY takes no payload, got {len(f.payload)} bytes")
+        if f.type == P.MSG_QUERY:  # read-only, never cached: where the open message stands, and what it lacks
+            try:
+                start, limit = P.unpack_msg_query(f.payload)
+            except P.ProtocolError as e:
+                self._error(send, f.seq, P.E_BAD_LENGTH, str(e))
                 return
-            self._send(send, P.FRAG_ACK, f.seq, P.pack_frag_ack(self.reasm.received, self.reasm.total))
+            limit = min(limit, QUERY_MAX_RANGES, (self.max_payload - 8) // 8)
+            self._send(send, P.FRAG_ACK, f.seq, P.pack_frag_ack(self.reasm.received, self.reasm.total, self.reasm.missing(start, limit)))
             return
         if self.cache is not None and self.cache[0] == f.seq and self.cache[1] == f.type:
             self.counters["duplicates"] += 1

@@ -181,6 +181,15 @@ class FaultInjector:
             frame = self._frame(frame)
         return self._bytes(frame) if self.spec.per_byte else frame
 
+    def tx_many(self, frames: list[bytes]) -> bytes:
+        """Faults on several outgoing frames sent back to back: per frame when per-frame faults are set, else
+        per-byte faults on the concatenation (the same independent per-byte draws, one pass)."""
+        if not self._on("tx"):
+            return b"".join(frames)
+        if self.spec.per_frame:
+            return b"".join(self.tx(f) for f in frames)
+        return self._bytes(b"".join(frames)) if self.spec.per_byte else b"".join(frames)
+
     def rx(self, chunk: bytes) -> bytes:
         """Faults on received bytes. Per-frame faults hold bytes back until the END closing their run."""
         if not self._on("rx") or not chunk:

@@ -2,14 +2,15 @@
 
 A request too large for one frame on a noisy line travels as a *message*: MSG_BEGIN
 (inner type, total length, CRC-32 of the whole, first bytes), then MSG_DATA (bytes at an
-offset) and MSG_ZERO (a run of zero bytes at an offset) fragments, strictly in order.
-The device keeps one reassembly buffer (:class:`Reassembler`): a fragment must start
-exactly where the received bytes end and must not run past the announced total; anything
-else is refused (``ReassemblyError``, sent as ``ERROR E_FRAGMENT``) and changes nothing.
-When the last byte arrives the whole is checked against the CRC and executed as if it
-had come in one frame. Because fragments are accepted only in order, the device needs
-one counter and a running CRC, no bitmap; every fragment reply says how many bytes the
-device holds, so a host whose acknowledgement was lost learns where to continue.
+offset) and MSG_ZERO (a run of zero bytes at an offset) fragments, **in any order**
+(selective repeat). The device keeps one reassembly buffer (:class:`Reassembler`) and the
+sorted set of byte ranges it holds: a fragment must lie inside the announced total and must
+not overlap held bytes, except that a fragment whose bytes are all held already with the
+same values (an exact duplicate) is an idempotent no-op; anything else is refused
+(``ReassemblyError``, sent as ``ERROR E_FRAGMENT``) and changes nothing. When the last byte
+arrives the whole is checked against the CRC and executed as if it had come in one frame.
+MSG_QUERY asks for the missing ranges (:meth:`Reassembler.missing`, a bounded list), so a
+host streams many fragments without waiting and resends only what is missing.
 
 Large replies travel the other way through a :class:`ReplyBuffer` the host reads with
 FETCH (offset, max bytes); FETCH is read-only, so it may be repeated freely.
@@ -20,11 +21,17 @@ position and size budget, sending zero runs as MSG_ZERO.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from nhil.targets.fpga.frame import crc32
 
 ZERO_RUN_MIN = 24  # zero runs at least this long go as MSG_ZERO (8 payload bytes instead of n)
+
+
+MAX_RANGES = 1024  # most disjoint received ranges the board keeps per message (a fragment adding one more is refused)
+QUERY_MAX_RANGES = 64  # most missing ranges one FRAG_ACK lists
 
 
 class ReassemblyError(Exception):
@@ -40,17 +47,21 @@ E_MSG_CRC = 15
 
 
 class Reassembler:
-    """Device-side reassembly of one message at a time (bounded by ``max_message`` bytes).
+    """Device-side reassembly of one message at a time (bounded by ``max_message`` bytes), fragments in any order.
 
-    ``begin``/``data``/``zero`` return ``None`` while bytes are missing and
-    ``(inner_type, payload)`` when the message is complete and its CRC matches; they raise
-    :class:`ReassemblyError` (state unchanged) for a fragment that is out of order,
-    duplicated, overlapping, out of range, or when no message is open. A complete message
-    whose CRC differs raises ``E_MSG_CRC`` and is discarded.
+    The state is the buffer, the sorted list of disjoint received byte ranges (merged when they
+    touch, at most ``max_ranges``) and their byte count ``received``. ``begin``/``data``/``zero``
+    return ``None`` while bytes are missing and ``(inner_type, payload)`` when the message is
+    complete and its CRC-32 matches. A fragment whose bytes are all held already and equal to
+    them (an exact duplicate) is a no-op. They raise :class:`ReassemblyError` ``E_FRAGMENT``
+    (state unchanged) for a fragment that is empty, out of range, overlaps held bytes only
+    partly or with other values, would need more than ``max_ranges`` ranges, or when no message
+    is open. A complete message whose CRC differs raises ``E_MSG_CRC`` and is discarded.
     """
 
-    def __init__(self, max_message: int) -> None:
+    def __init__(self, max_message: int, max_ranges: int = MAX_RANGES) -> None:
         self.max_message = max_message
+        self.max_ranges = max_ranges
         self.clear()
 
     def clear(self) -> None:
@@ -59,7 +70,8 @@ class Reassembler:
         self.total = 0
         self.crc = 0
         self.received = 0
-        self.run_crc = 0
+        self.starts: list[int] = []  # received ranges [starts[i], ends[i]), sorted, disjoint, not touching
+        self.ends: list[int] = []
         self.buf = bytearray()
 
     def begin(self, inner: int, total: int, crc: int, data: bytes) -> tuple[int, bytes] | None:
@@ -71,43 +83,87 @@ class Reassembler:
         self.clear()
         self.open, self.inner, self.total, self.crc = True, inner, total, crc
         self.buf = bytearray(total)
-        return self._append(data)
+        if data:
+            self._take(0, data)
+        return self._finish()
 
-    def _check(self, offset: int, n: int, what: str) -> None:
+    def data(self, offset: int, data: bytes) -> tuple[int, bytes] | None:
+        """Take MSG_DATA ``data`` at byte ``offset``."""
+        if self._check(offset, len(data), data, "MSG_DATA"):
+            self._take(offset, data)
+        return self._finish()
+
+    def zero(self, offset: int, count: int) -> tuple[int, bytes] | None:
+        """Take MSG_ZERO: ``count`` zero bytes at byte ``offset``."""
+        if self._check(offset, count, None, "MSG_ZERO"):
+            self._take(offset, bytes(count))
+        return self._finish()
+
+    def _check(self, offset: int, n: int, data: bytes | None, what: str) -> bool:
+        """Validate a fragment; ``True`` when it brings new bytes, ``False`` for an exact duplicate."""
         if not self.open:
             raise ReassemblyError(E_FRAGMENT, f"{what} at offset {offset} but no message is open (MSG_BEGIN first)")
         if n < 1:
             raise ReassemblyError(E_FRAGMENT, f"{what} at offset {offset} is empty")
-        # short texts: after a lost fragment every later one of a burst is refused, and these replies cross a noisy line
-        if offset != self.received:
-            kind = "overlap" if offset < self.received else "out of order"
-            raise ReassemblyError(E_FRAGMENT, f"{what} @{offset}: {kind}, expected @{self.received}")
-        if n > self.total - offset:
+        if offset > self.total or n > self.total - offset:
             raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{offset + n}) past end {self.total}")
+        end = offset + n
+        i = bisect.bisect_right(self.ends, offset)  # first range ending after offset
+        if i < len(self.starts) and self.starts[i] < end:  # touches held bytes
+            if self.starts[i] <= offset and end <= self.ends[i]:
+                held = bytes(self.buf[offset:end])
+                if held == (data if data is not None else bytes(n)):
+                    return False  # exact duplicate: idempotent
+                raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) differs from the bytes held there")
+            raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) overlaps held [{self.starts[i]},{self.ends[i]})")
+        joins = (i > 0 and self.ends[i - 1] == offset) + (i < len(self.starts) and self.starts[i] == end)
+        if joins == 0 and len(self.starts) >= self.max_ranges:
+            raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) would make {len(self.starts) + 1} received ranges, over {self.max_ranges}")
+        return True
 
-    def data(self, offset: int, data: bytes) -> tuple[int, bytes] | None:
-        self._check(offset, len(data), "MSG_DATA")
-        return self._append(data)
+    def _take(self, offset: int, data: bytes) -> None:
+        end = offset + len(data)
+        self.buf[offset:end] = data
+        self.received += len(data)
+        i = bisect.bisect_right(self.ends, offset)
+        left = i > 0 and self.ends[i - 1] == offset
+        right = i < len(self.starts) and self.starts[i] == end
+        if left and right:
+            self.ends[i - 1] = self.ends[i]
+            del self.starts[i], self.ends[i]
+        elif left:
+            self.ends[i - 1] = end
+        elif right:
+            self.starts[i] = offset
+        else:
+            self.starts.insert(i, offset)
+            self.ends.insert(i, end)
 
-    def zero(self, offset: int, count: int) -> tuple[int, bytes] | None:
-        self._check(offset, count, "MSG_ZERO")
-        self.run_crc = crc32(bytes(count), self.run_crc)  # buffer is already zero there
-        self.received += count
-        return self._finish()
-
-    def _append(self, data: bytes) -> tuple[int, bytes] | None:
-        n = len(data)
-        self.buf[self.received : self.received + n] = data
-        self.run_crc = crc32(data, self.run_crc)
-        self.received += n
-        return self._finish()
+    def missing(self, start: int = 0, limit: int = QUERY_MAX_RANGES) -> list[tuple[int, int]]:
+        """The first ``limit`` byte ranges ``[lo, hi)`` of the open message not yet received, from byte ``start`` on
+        (a range containing ``start`` is clipped to begin there); all of them when fewer than ``limit``."""
+        out: list[tuple[int, int]] = []
+        if not self.open or limit < 1:
+            return out
+        pos = start
+        i = bisect.bisect_right(self.ends, pos)
+        while pos < self.total and len(out) < limit:
+            if i < len(self.starts) and self.starts[i] <= pos:
+                pos = self.ends[i]
+                i += 1
+                continue
+            hi = self.starts[i] if i < len(self.starts) else self.total
+            out.append((pos, hi))
+            pos = hi
+        return out
 
     def _finish(self) -> tuple[int, bytes] | None:
         if self.received < self.total:
             return None
-        inner, payload, ok, got, want = self.inner, bytes(self.buf), self.run_crc == self.crc, self.run_crc, self.crc
+        inner, payload, want = self.inner, bytes(self.buf), self.crc
         self.clear()
-        if not ok:
+        got = crc32(payload)
+        if got != want:
             raise ReassemblyError(E_MSG_CRC, f"reassembled message CRC 0x{got:08x} differs from the announced 0x{want:08x}; message discarded")
         return inner, payload
 

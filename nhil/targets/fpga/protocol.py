@@ -171,13 +171,47 @@ def unpack_fetch(p: bytes) -> tuple[int, int]:
     return _FETCH.unpack(p)
 
 
-def pack_frag_ack(received: int, total: int) -> bytes:
-    return _FACK.pack(received, total)
+def pack_frag_ack(received: int, total: int, missing=()) -> bytes:
+    """FRAG_ACK: ``u32 received, u32 total`` then ``u32 lo, u32 hi`` per listed missing range (MSG_QUERY replies)."""
+    return _FACK.pack(received, total) + b"".join(_FACK.pack(lo, hi) for lo, hi in missing)
 
 
 def unpack_frag_ack(p: bytes) -> tuple[int, int]:
-    _need(p, _FACK.size, "FRAG_ACK")
-    return _FACK.unpack(p)
+    """(received, total) of a FRAG_ACK (any listed missing ranges are ignored)."""
+    if len(p) < _FACK.size or (len(p) - _FACK.size) % _FACK.size:
+        raise ProtocolError(f"FRAG_ACK payload is {len(p)} bytes, needs 8 + 8 per missing range")
+    return _FACK.unpack_from(p, 0)
+
+
+def unpack_frag_ack_missing(p: bytes) -> tuple[int, int, list[tuple[int, int]]]:
+    """(received, total, missing ranges [lo, hi)) of a FRAG_ACK; checks each range is non-empty, inside
+    ``total`` and after the previous one (else ``ProtocolError``)."""
+    rec, tot = unpack_frag_ack(p)
+    out: list[tuple[int, int]] = []
+    prev = 0
+    for k in range(_FACK.size, len(p), _FACK.size):
+        lo, hi = _FACK.unpack_from(p, k)
+        if not prev <= lo < hi <= tot:
+            raise ProtocolError(f"FRAG_ACK missing range [{lo}, {hi}) is empty, unordered or past the {tot}-byte message")
+        out.append((lo, hi))
+        prev = hi
+    return rec, tot, out
+
+
+_QUERY = struct.Struct("<IHxx")  # from byte, max ranges, reserved
+
+
+def pack_msg_query(start: int = 0, max_ranges: int = 0) -> bytes:
+    """MSG_QUERY payload: empty (no range list), or ``u32 from, u16 max_ranges, u16 reserved``."""
+    return _QUERY.pack(start, max_ranges) if max_ranges else b""
+
+
+def unpack_msg_query(p: bytes) -> tuple[int, int]:
+    """(from, max_ranges); an empty payload is (0, 0)."""
+    if not p:
+        return 0, 0
+    _need(p, _QUERY.size, "MSG_QUERY")
+    return _QUERY.unpack(p)
 
 
 def pack_reply_head(type_: int, total: int, crc: int) -> bytes:
