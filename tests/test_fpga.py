@@ -472,3 +472,29 @@ def test_link_benchmark_small():
     r = link_benchmark(4 << 20, device="fpga-small")
     assert r["verified"] and r["nbytes"] >= 4 << 20
     assert 0.95 < r["wire_efficiency"] <= 1 and r["link_MBps"] > 0 and r["raw_pty_MBps"] > 0
+
+
+def test_a_stage_timeout_inside_a_serial_read_stays_a_timeout_not_a_link_failure():
+    """verify's SIGALRM stage timeout can land inside pyserial's read: the driver must let it
+    through (outcome TIMEOUT), while a real serial error still becomes a LinkError."""
+    import collections
+
+    from nhil.errors import LinkError
+    from nhil.targets.fpga.driver import FpgaTarget
+    from nhil.verify import StageTimeout
+
+    class Port:
+        def __init__(self, exc):
+            self.exc, self.in_waiting = exc, 0
+
+        def read(self, n):
+            raise self.exc
+
+    t = object.__new__(FpgaTarget)  # only the fields _recv touches
+    t._q, t._fd, t.url, t.link = collections.deque(), None, "loop://", collections.Counter()
+    t.ser = Port(StageTimeout("stage load_target exceeded its timeout of 1800 s"))
+    with pytest.raises(StageTimeout):
+        t._recv(time.monotonic() + 5)
+    t.ser = Port(OSError(5, "Input/output error"))
+    with pytest.raises(LinkError, match="read from loop:// failed"):
+        t._recv(time.monotonic() + 5)

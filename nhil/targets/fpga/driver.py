@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from nhil.errors import LinkError, LoadError, RunError, SetupError
+from nhil.errors import LinkError, LoadError, NhilError, RunError, SetupError
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
 from nhil.isa.instr import OPINFO, Op
 from nhil.isa.program import Program
@@ -292,6 +292,8 @@ class FpgaTarget(Target):
     def _write(self, data: bytes, payload_bytes: int) -> None:
         try:
             self.ser.write(data)
+        except NhilError:  # e.g. verify's stage timeout interrupting the write: keep its outcome (TIMEOUT)
+            raise
         except Exception as e:  # SerialException, SerialTimeoutException, OSError
             raise LinkError(f"write to {self.url} failed: {e}") from None
         self.link["frames_tx"] += 1
@@ -315,6 +317,8 @@ class FpgaTarget(Target):
                     more = self.ser.in_waiting
                     if more:
                         data += self.ser.read(more)
+            except NhilError:  # e.g. verify's stage timeout interrupting the read: keep its outcome (TIMEOUT)
+                raise
             except Exception as e:
                 raise LinkError(f"read from {self.url} failed: {e}") from None
             if not data:
