@@ -34,6 +34,7 @@ import torch
 from nhil.compiler.raise_attention import h_attention
 from nhil.compiler.raise_ctx import INT64_MAX, Ctx
 from nhil.compiler.raise_match import ANY, Mismatch, V, match_any
+from nhil.compiler.raise_moe import emit_moe
 from nhil.compiler.raising import Marker, _val
 
 aten = torch.ops.aten
@@ -312,8 +313,6 @@ def h_ds_moe_block(ctx: Ctx) -> None:
     sv = _val(b["shared"])
     if list(b["shape"]) != list(out["shape"]) or not isinstance(sv, torch.Tensor) or tuple(sv.shape) != tuple(out["shape"]):
         raise Mismatch(n, f"DeepSeek MoE output view {b['shape']} / shared expert {tuple(getattr(sv, 'shape', ()))} do not fit {out['shape']}")
-    from nhil.compiler.raise_moe import emit_moe
-
     ctx.set(b["out"], ctx.emit(nhil.add.default, emit_moe(ctx, out), ctx.tensor(b["shared"])))
 
 

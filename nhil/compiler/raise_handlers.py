@@ -22,7 +22,8 @@ from nhil.compiler.raise_match import Mismatch, V, match_any
 from nhil.compiler.raising import Marker, _val
 
 from nhil.compiler.raise_attention import h_attention
-from nhil.compiler.raise_ctx import Ctx, _one, aten, nhil  # noqa: F401 - Ctx is also imported from here by raising.py
+from nhil.compiler.raise_ctx import Ctx, _one, aten, nhil
+from nhil.compiler.raise_deepseek import DEEPSEEK_HANDLERS, h_mla_kv_b
 from nhil.compiler.raise_moe import _moe_shared_linear, h_moe_block, h_moe_experts, h_moe_router
 
 
@@ -87,8 +88,6 @@ def h_conv1d(ctx: Ctx) -> None:
 def h_linear(ctx: Ctx) -> None:
     """nn.Linear -> nhil.linear; inside a MoE block (input a MoE Marker) -> a shared-expert Marker."""
     b = ctx.match([_one(aten.linear.default, (V("x"), V("w"))), _one(aten.linear.default, (V("x"), V("w"), V("bias")))])
-    from nhil.compiler.raise_deepseek import h_mla_kv_b
-
     if h_mla_kv_b(ctx, b):  # MLA kv_b_proj over the latent cache (part of nhil.mla_kv)
         return
     xv = ctx.value(b["x"])
@@ -499,22 +498,12 @@ ROLE_SUFFIXES: list[tuple[str, str]] = [
 ]
 
 
-_FAMILIES_LOADED = False
-
-
-def _load_families() -> None:
-    """Register the handlers of families kept in their own modules (exact class names)."""
-    global _FAMILIES_LOADED
-    from nhil.compiler.raise_deepseek import DEEPSEEK_HANDLERS
-
-    HANDLERS.update(DEEPSEEK_HANDLERS)
-    _FAMILIES_LOADED = True
+# families kept in their own modules register under their exact class names
+HANDLERS.update(DEEPSEEK_HANDLERS)
 
 
 def handler_for(cls: str, path: str = "") -> Callable[[Ctx], None] | None:
     """Handler of a module class: exact class name first, then by role suffix."""
-    if not _FAMILIES_LOADED:
-        _load_families()
     if cls in HANDLERS:
         return HANDLERS[cls]
     for suffix, base in ROLE_SUFFIXES:

@@ -277,7 +277,8 @@ class Raiser:
         return False
 
     def run(self, strict: bool) -> RaisedGraph:
-        from nhil.compiler.raise_handlers import Ctx, handler_for
+        from nhil.compiler.raise_ctx import Ctx
+        from nhil.compiler.raise_handlers import handler_for
 
         for name in self.user_inputs:
             ph = self.g.placeholder(name)
