@@ -498,3 +498,88 @@ def test_a_stage_timeout_inside_a_serial_read_stays_a_timeout_not_a_link_failure
     t.ser = Port(OSError(5, "Input/output error"))
     with pytest.raises(LinkError, match="read from loop:// failed"):
         t._recv(time.monotonic() + 5)
+
+
+# ---------------------------------------------------------------- warm reload (RESET_KEEP_ROWS + MEM_CRC)
+def test_board_reset_keep_rows_and_mem_crc():
+    import zlib
+
+    w = Wire()
+    w.hello()
+    image = DEV.channels * DEV.banks * DEV.cols
+    rng = np.random.default_rng(3)
+    rows = {r: rng.integers(1, 0x7F00, image, dtype=np.uint16) for r in (2, 3, 9)}
+    for r, a in rows.items():  # in pieces that fit the 4096-byte max payload
+        for off in range(0, image, 1024):
+            assert w.req(P.WRITE_MEM, P.pack_write_mem(r, off, a[off : off + 1024].astype("<u2").tobytes()))[0].type == P.ACK
+    zero = np.zeros(image, np.uint16)
+
+    def crc(rs):  # the CRC of the row images concatenated, computed here with zlib on numpy arrays
+        c = 0
+        for r in rs:
+            c = zlib.crc32(rows.get(r, zero).astype("<u2").tobytes(), c)
+        return c
+
+    def mem_crc(row, count):
+        (r,) = w.req(P.MEM_CRC, P.pack_mem_crc(row, count))
+        assert r.type == P.MEM_CRC_REPLY
+        return P.unpack_mem_crc_reply(r.payload)
+
+    assert mem_crc(2, 2) == crc([2, 3]) and mem_crc(1, 9) == crc(range(1, 10))
+    # out-of-range requests are refused and change nothing
+    assert _err(w.req(P.MEM_CRC, P.pack_mem_crc(DEV.rows - 1, 2)))[0] == P.E_ADDRESS
+    assert _err(w.req(P.MEM_CRC, P.pack_mem_crc(0, 0)))[0] == P.E_ADDRESS
+    assert _err(w.req(P.RESET, P.pack_reset([(2, 2), (DEV.rows, 1)])))[0] == P.E_ADDRESS
+    assert _err(w.req(P.RESET, P.pack_reset([(2, 0xFFFFFFFF)])))[0] == P.E_ADDRESS
+    assert _err(w.req(P.RESET, P.pack_reset([(2, 2)]) + b"x"))[0] == P.E_BAD_LENGTH
+    assert _err(w.req(P.RESET, (2).to_bytes(4, "little") + bytes(4)))[0] == P.E_BAD_LENGTH  # unknown flag
+    assert mem_crc(9, 1) == crc([9])
+    # GB/ACC state is cleared, rows 2 and 3 stay, row 9 reads as zero
+    pl = P.pack_exec([(0, Instr(Op.WR_ACC, 0, k=0, col=0, n=1).encode(), np.float32([1.5]).tobytes())])
+    assert w.req(P.EXEC, pl)[0].type == P.READBACK
+    assert w.req(P.RESET, P.pack_reset([(2, 2)]))[0].type == P.ACK
+    del rows[9]
+    assert mem_crc(1, 9) == crc(range(1, 10)) and mem_crc(9, 1) == crc([9]) == zlib.crc32(zero.tobytes())
+    (r,) = w.req(P.EXEC, P.pack_exec([(0, Instr(Op.RD_ACC, 0, k=0, col=0, n=1).encode(), b"")]))
+    assert P.unpack_readback(r.payload)[0].tolist() == [0.0]
+    (r,) = w.req(P.READ_MEM, P.pack_read_mem(3, 100, 4))
+    assert r.payload == rows[3][100:104].astype("<u2").tobytes()
+
+
+
+
+def test_runner_reloads_warm_and_stays_bit_identical(sim_result):
+    prog, ref = sim_result
+    kv_row = max(img.row for img in prog.bank_images) + 3
+    with FpgaTarget(device="fpga-small") as t:
+        r = Runner(prog, t)
+        for run in range(2):
+            r.reset()
+            outs = [{k: v.copy() for k, v in r.step(s, s).items()} for s in range(3)]
+            _assert_identical(ref, (outs, t.trace()))
+            # what a run leaves behind: a written KV row, accumulators; the reload must clear both
+            t.write_row(1, 2, kv_row, np.arange(DEV.cols, dtype=np.uint16) + 1)
+            t.execute([ResolvedInstr(0, Instr(Op.WR_ACC, 0, k=1, col=0, n=1), np.float32([7.0]))])
+        assert t.reloads["full"] == 1 and t.reloads["warm"] == 1 and t.reloads["mismatch"] == 0
+        r.reset()
+        assert not t.read_row(1, 2, kv_row).any()
+        assert t.execute([ResolvedInstr(0, Instr(Op.RD_ACC, 0, k=1, col=0, n=1), None)])[0].tolist() == [0.0]
+        assert t.stats()["load"]["reloads"]["warm"] == 2
+
+
+def test_warm_reload_falls_back_to_a_full_load_when_a_weight_row_changed(sim_result, capsys):
+    prog, _ = sim_result
+    img = prog.bank_images[1]
+    with FpgaTarget(device="fpga-small") as t:
+        t.load(prog)
+        t.write_row(0, 5, img.row, np.full(DEV.cols, 0x3F80, np.uint16))  # a stray write into the weights
+        t.reload(prog)
+        assert t.reloads == {**t.reloads, "full": 2, "warm": 0, "mismatch": 1}
+        np.testing.assert_array_equal(t.read_row(0, 5, img.row), img.data[0, 5])
+        import re
+
+        (lo, hi), = [tuple(map(int, m)) for m in re.findall(r"board rows \[(\d+), (\d+)\)", capsys.readouterr().err)]
+        assert lo <= img.row < hi
+        other = _program(seed=5)  # another program: always a full load
+        t.reload(other)
+        assert t.reloads["full"] == 3

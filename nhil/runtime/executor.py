@@ -87,10 +87,16 @@ class Runner:
         self.expert_device_instructions = {m: sum(len(s[1]) for s in segs if s[0] == "dev") for m, segs in self.expert_segments.items()}
         self.moe_trace: list[tuple[int, list[int]]] = []  # (MoE layer, routed expert ids in slot order) per dispatch
         self.steps = 0
+        self._loaded = False
 
     def reset(self) -> None:
-        """(Re)load the program into the target: weights and zeroed KV rows."""
-        self.t.load(self.p)
+        """Load the program into the target (weights, zeroed KV rows); later calls ``reload`` it, which a target with
+        an expensive load (the FPGA link) may do without sending the weights again (``Target.reload``)."""
+        if self._loaded:
+            self.t.reload(self.p)
+        else:
+            self.t.load(self.p)
+            self._loaded = True
         self.steps = 0
 
     def _val(self, name: str, ctx: dict):

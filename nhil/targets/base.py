@@ -114,6 +114,18 @@ class Target(abc.ABC):
             LoadError: the program needs an opcode/format the target lacks or does not fit its device.
         """
 
+    def reload(self, program: Program) -> None:
+        """Bring the device back to the state right after ``load(program)``: the program's bank images, every
+        other row zero, GB, ACC and CFRs zero (before another run of the same program, e.g. a second generation).
+
+        Default: ``load(program)``. A target whose load is expensive (the FPGA over a serial link) may keep the
+        rows it verifies to be unchanged and clear the rest; the resulting state must be the same.
+
+        Raises:
+            LoadError: as ``load``.
+        """
+        self.load(program)
+
     @abc.abstractmethod
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         """Execute resolved instructions in order; returns one array per data-out instruction.
@@ -158,6 +170,9 @@ class DelegatingTarget(Target):
 
     def load(self, program: Program) -> None:
         self.inner.load(program)
+
+    def reload(self, program: Program) -> None:
+        self.inner.reload(program)
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         return self.inner.execute(block)

@@ -50,6 +50,12 @@ class LockstepTarget(DelegatingTarget):
         self.dut.load(program)
         self.ref.load(program)
 
+    def reload(self, program: Program) -> None:
+        """The device under test reloads its way (the FPGA keeps verified rows); the simulator reference loads afresh."""
+        self.program = program
+        self.dut.reload(program)
+        self.ref.load(program)
+
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         got = self.dut.execute(block)
         want = self.ref.execute(block)

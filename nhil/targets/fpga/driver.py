@@ -112,6 +112,34 @@ def _subtract(ranges: list[tuple[int, int]], done: list[tuple[int, int]]) -> lis
     return out
 
 
+CRC_PIECE_ROWS = 16  # rows per MEM_CRC request of a warm reload (16 MiB of aim-like row images)
+
+
+def _crc_pieces(kept: dict[int, np.ndarray]) -> list[tuple[int, int, int]]:
+    """``(row, count, crc)`` MEM_CRC requests covering the rows of ``kept`` (row -> its image, flat uint16):
+    runs of consecutive rows cut every ``CRC_PIECE_ROWS``, ``crc`` the CRC-32 of their images in row order."""
+    out: list[tuple[int, int, int]] = []
+    for row in sorted(kept):
+        img = kept[row].astype("<u2", copy=False)
+        if out and out[-1][0] + out[-1][1] == row and out[-1][1] < CRC_PIECE_ROWS:
+            r0, n, acc = out[-1]
+            out[-1] = (r0, n + 1, crc32(img, acc))
+        else:
+            out.append((row, 1, crc32(img)))
+    return out
+
+
+def _row_ranges(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Merge MEM_CRC pieces into maximal ``(row, count)`` ranges for RESET_KEEP_ROWS."""
+    out: list[tuple[int, int]] = []
+    for row, count, _ in pieces:
+        if out and out[-1][0] + out[-1][1] == row:
+            out[-1] = (out[-1][0], out[-1][1] + count)
+        else:
+            out.append((row, count))
+    return out
+
+
 class FpgaTarget(Target):
     """The FPGA prototype behind a serial link (or the board emulator on a pty).
 
@@ -188,6 +216,8 @@ class FpgaTarget(Target):
         self.load_bytes = 0
         self._words: dict = {}  # Instr -> encoded word (the same instructions recur every step)
         self._dead: str | None = None  # set once a board reset was detected: the session is over
+        self._resident = None  # (weakref to the program loaded last, its MEM_CRC pieces) while the board holds it
+        self.reloads = {"full": 0, "warm": 0, "mismatch": 0, "seconds": 0.0}
 
     # ------------------------------------------------------------ session
     def open(self) -> None:
@@ -772,11 +802,15 @@ class FpgaTarget(Target):
             bar = Progress(TextColumn("load → fpga"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
             task = bar.add_task("load", total=total)
             bar.start()
+        self._resident = None
+        kept: dict[int, np.ndarray] = {}  # row -> image of the rows with non-zero images (what a warm reload keeps)
         try:
             for img in imgs:
                 flat = np.ascontiguousarray(img.data, dtype="<u2").reshape(-1)
                 if flat.size != d.channels * d.banks * d.cols:
                     raise LoadError(f"bank image row {img.row} has {flat.size} elements, device rows hold {d.channels * d.banks * d.cols}")
+                if flat.any():
+                    kept[img.row] = flat
                 for off in range(0, flat.size, chunk):
                     seg = flat[off : off + chunk]
                     if seg.any():  # the board's memory is zero after LOAD_PROGRAM
@@ -793,6 +827,49 @@ class FpgaTarget(Target):
         self._transact(P.LOAD_END, P.pack_load_end(nbytes, nwrites, crc), P.ACK)
         self.load_seconds = time.monotonic() - t0
         self.load_bytes = total
+        self.reloads["full"] += 1
+        self._resident = (weakref.ref(program), _crc_pieces(kept))
+        self._digest = ReadbackDigest()
+        self._counts = {}
+
+    def reload(self, program: Program) -> None:
+        """Restore the state after ``load(program)`` without sending the weights again, when the board still holds them.
+
+        If ``program`` is the one this session loaded last: RESET with RESET_KEEP_ROWS listing the rows whose images
+        are non-zero (the board zeroes every other row, e.g. the KV cache, and clears GB, ACC and CFRs), then MEM_CRC
+        of the kept rows (pieces of at most ``CRC_PIECE_ROWS``) against the CRC-32 of the program's images. Any
+        mismatch (the program wrote into a weight row, or the board's memory changed) falls back to a full ``load``
+        and is counted in ``stats()["load"]["reloads"]["mismatch"]``; so the resulting state is always exactly
+        ``load``'s. Otherwise (another program, nothing loaded): ``load``.
+
+        Raises:
+            LinkError, LoadError: as ``load``.
+        """
+        res = self._resident
+        if res is None or res[0]() is not program or self._dead:
+            self.load(program)
+            return
+        pieces = res[1]
+        ranges = _row_ranges(pieces)
+        if len(ranges) > P.MAX_KEEP_RANGES:
+            self.load(program)
+            return
+        t0 = time.monotonic()
+        self._transact(P.RESET, P.pack_reset(ranges), P.ACK)
+        bad = []
+        for row, count, want in pieces:
+            got = P.unpack_mem_crc_reply(self._transact(P.MEM_CRC, P.pack_mem_crc(row, count), P.MEM_CRC_REPLY, reply_size=4).payload)
+            if got != want:
+                bad.append((row, count))
+        if bad:
+            self.reloads["mismatch"] += 1
+            where = ", ".join(f"[{r}, {r + c})" for r, c in bad[:4]) + (" ..." if len(bad) > 4 else "")
+            print(f"[nhil] fpga: board rows {where} differ from the program's images after RESET_KEEP_ROWS (the program writes "
+                  f"into rows that hold weights, or the board's memory changed): loading the whole program again", file=sys.stderr, flush=True)
+            self.load(program)
+            return
+        self.reloads["warm"] += 1
+        self.reloads["seconds"] += time.monotonic() - t0
         self._digest = ReadbackDigest()
         self._counts = {}
 
@@ -894,7 +971,8 @@ class FpgaTarget(Target):
         if self.proc is not None or (self.port is None and self.url):
             out["emulator"] = {"device": self.device_name, "faults": self.faults or "none", "rtl": self.rtl}
         if self.load_bytes:
-            out["load"] = {"bytes": self.load_bytes, "seconds": round(self.load_seconds, 3), "MB_per_s": round(self.load_bytes / max(self.load_seconds, 1e-9) / 1e6, 2)}
+            out["load"] = {"bytes": self.load_bytes, "seconds": round(self.load_seconds, 3), "MB_per_s": round(self.load_bytes / max(self.load_seconds, 1e-9) / 1e6, 2),
+                           "reloads": {**self.reloads, "seconds": round(self.reloads["seconds"], 3)}}
         if self.info:
             out["board"] = {"name": self.info.get("board"), "backend": self.info.get("backend"), "max_payload": self.max_payload, "max_message": self.max_message}
         return out

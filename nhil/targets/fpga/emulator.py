@@ -82,6 +82,24 @@ class SimBackend:
                 out[i0 : i0 + c1 - c0] = mem[ch, bank, s, c0:c1]
         return out
 
+    def reset_keep(self, keep: np.ndarray) -> None:
+        """RESET with RESET_KEEP_ROWS: rows where ``keep`` (bool ``[rows]``) is set stay, the rest read as zero."""
+        self.state.reset_keep(keep)
+
+    def mem_crc(self, row: int, count: int) -> int:
+        """CRC-32 (zlib) of the row images of rows ``[row, row + count)``, each ``[channel][bank][col]`` uint16 LE."""
+        crc = 0
+        zero = None
+        st = self.state
+        for r in range(row, row + count):
+            if st.slot(r, allocate=False) < 0:
+                if zero is None:
+                    zero = bytes(self.d.channels * self.d.banks * self.d.cols * 2)
+                crc = zlib.crc32(zero, crc)
+            else:
+                crc = zlib.crc32(st.row_image(r).astype("<u2", copy=False), crc)
+        return crc & 0xFFFFFFFF
+
     def commit(self) -> None:
         """End of a load (nothing to do for the simulator)."""
 
@@ -117,6 +135,12 @@ class RtlBackend(SimBackend):
         super().reset(rows_hint)
         self.loaded = False
 
+    def reset_keep(self, keep: np.ndarray) -> None:
+        # the mirror holds every row the host wrote (the RTL only changes rows when it runs): clear it like the
+        # simulator and hand the whole image to the RTL again before the next EXEC (which also clears GB/ACC/CFRs)
+        super().reset_keep(keep)
+        self.loaded = False
+
     def commit(self) -> None:
         from nhil.isa.program import BankImage, Program
 
@@ -138,6 +162,15 @@ class RtlBackend(SimBackend):
         for ch, bank, c0, c1, i0 in self._segments(offset, count):
             out[i0 : i0 + c1 - c0] = np.asarray(self.rtl.read_row(ch, bank, row))[c0:c1]
         return out
+
+    def mem_crc(self, row: int, count: int) -> int:
+        if not self.loaded:  # the mirror is the memory until the next EXEC hands it to the RTL
+            return super().mem_crc(row, count)
+        image = self.d.channels * self.d.banks * self.d.cols
+        crc = 0
+        for r in range(row, row + count):  # after EXECs the RTL holds rows the mirror never saw
+            crc = zlib.crc32(self.read(r, 0, image).astype("<u2", copy=False), crc)
+        return crc & 0xFFFFFFFF
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         if not self.loaded:
@@ -382,11 +415,23 @@ class Board:
                         instructions=self.backend.instructions(), last_error=c["last_error"], uptime_ms=int((time.monotonic() - self.t0) * 1000))
             return P.STATUS_REPLY, P.pack_status(vals)
         if t == P.RESET:
-            if p:
-                raise P.ProtocolError(f"RESET takes no payload, got {len(p)} bytes")
-            self.backend.reset()
-            self.state = 0
+            keep = P.unpack_reset(p)
+            if keep is None:
+                self.backend.reset()
+                self.state = 0
+                return P.ACK, b""
+            mask = np.zeros(d.rows, bool)
+            for row, count in keep:  # check every range before changing anything
+                if count == 0 or row >= d.rows or count > d.rows - row:
+                    raise ReqError(P.E_ADDRESS, f"RESET keeps rows [{row}, {row + count}) outside the device's {d.rows} rows")
+                mask[row : row + count] = True
+            self.backend.reset_keep(mask)
             return P.ACK, b""
+        if t == P.MEM_CRC:
+            row, count = P.unpack_mem_crc(p)
+            if count == 0 or row >= d.rows or count > d.rows - row:
+                raise ReqError(P.E_ADDRESS, f"MEM_CRC of rows [{row}, {row + count}) outside the device's {d.rows} rows")
+            return P.MEM_CRC_REPLY, P.pack_mem_crc_reply(self.backend.mem_crc(row, count))
         if t == P.LOAD_PROGRAM:
             rows = P.unpack_load_program(p)
             if rows > d.rows:

@@ -31,6 +31,7 @@ MSG_DATA = 0x0B
 MSG_ZERO = 0x0C
 FETCH = 0x0D
 MSG_QUERY = 0x0E
+MEM_CRC = 0x0F
 
 ACK = 0x80
 HELLO_REPLY = 0x81
@@ -42,17 +43,18 @@ ACCEPTED = 0x8A
 FRAG_ACK = 0x8B
 REPLY_HEAD = 0x8C
 REPLY_DATA = 0x8D
+MEM_CRC_REPLY = 0x8F
 NAK = 0xFE
 ERROR = 0xFF
 
-REQUESTS = {HELLO, INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS, MSG_BEGIN, MSG_DATA, MSG_ZERO, FETCH, MSG_QUERY}
-INNER_REQUESTS = {INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS}  # may travel as a fragmented message
+REQUESTS = {HELLO, INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS, MSG_BEGIN, MSG_DATA, MSG_ZERO, FETCH, MSG_QUERY, MEM_CRC}
+INNER_REQUESTS = {INFO, RESET, WRITE_MEM, READ_MEM, LOAD_PROGRAM, LOAD_END, EXEC, STATUS, MEM_CRC}  # may travel as a fragmented message
 NAMES = {
     HELLO: "HELLO", INFO: "INFO", RESET: "RESET", WRITE_MEM: "WRITE_MEM", READ_MEM: "READ_MEM", LOAD_PROGRAM: "LOAD_PROGRAM",
     LOAD_END: "LOAD_END", EXEC: "EXEC", STATUS: "STATUS", ACK: "ACK", HELLO_REPLY: "HELLO_REPLY", INFO_REPLY: "INFO_REPLY",
     MEM_DATA: "MEM_DATA", READBACK: "READBACK", STATUS_REPLY: "STATUS_REPLY", ACCEPTED: "ACCEPTED", NAK: "NAK", ERROR: "ERROR",
     MSG_BEGIN: "MSG_BEGIN", MSG_DATA: "MSG_DATA", MSG_ZERO: "MSG_ZERO", FETCH: "FETCH", MSG_QUERY: "MSG_QUERY", FRAG_ACK: "FRAG_ACK", REPLY_HEAD: "REPLY_HEAD",
-    REPLY_DATA: "REPLY_DATA",
+    REPLY_DATA: "REPLY_DATA", MEM_CRC: "MEM_CRC", MEM_CRC_REPLY: "MEM_CRC_REPLY",
 }
 
 # header flags
@@ -234,6 +236,7 @@ def unpack_reply_data(p: bytes) -> tuple[int, bytes]:
 
 
 # ----------------------------------------------------------------- memory
+_U32 = struct.Struct("<I")
 _MEM = struct.Struct("<II")  # row, offset (elements into the row image [ch][bank][col])
 _RD = struct.Struct("<III")  # row, offset, count
 
@@ -256,6 +259,56 @@ def pack_read_mem(row: int, offset: int, count: int) -> bytes:
 def unpack_read_mem(p: bytes) -> tuple[int, int, int]:
     _need(p, _RD.size, "READ_MEM")
     return _RD.unpack(p)
+
+
+# RESET (section 4): empty payload = full reset; else flags, range count, ranges of rows to keep
+RESET_KEEP_ROWS = 0x1  # RESET flag: keep the listed bank rows, zero every other row (GB, ACC, CFRs are cleared either way)
+_RESET = struct.Struct("<II")  # flags, number of ranges
+_RANGE = struct.Struct("<II")  # first row, row count
+MAX_KEEP_RANGES = 4096  # most row ranges one RESET may list
+
+
+def pack_reset(keep: list[tuple[int, int]] | None = None) -> bytes:
+    """RESET payload: ``None`` -> empty (full reset); else RESET_KEEP_ROWS with the ``(row, count)`` ranges to keep."""
+    if keep is None:
+        return b""
+    return _RESET.pack(RESET_KEEP_ROWS, len(keep)) + b"".join(_RANGE.pack(r, c) for r, c in keep)
+
+
+def unpack_reset(p: bytes) -> list[tuple[int, int]] | None:
+    """``None`` for a full reset, else the ``(row, count)`` ranges to keep (row bounds are the device's to check)."""
+    if not p:
+        return None
+    if len(p) < _RESET.size:
+        raise ProtocolError(f"RESET payload of {len(p)} bytes: empty, or 8 bytes of flags and range count plus 8 per range")
+    flags, n = _RESET.unpack_from(p, 0)
+    if flags != RESET_KEEP_ROWS:
+        raise ProtocolError(f"RESET flags 0x{flags:x}: only RESET_KEEP_ROWS (0x1) is defined")
+    if n > MAX_KEEP_RANGES:
+        raise ProtocolError(f"RESET lists {n} row ranges, at most {MAX_KEEP_RANGES}")
+    _need(p, _RESET.size + n * _RANGE.size, f"RESET with {n} ranges")
+    return [_RANGE.unpack_from(p, _RESET.size + i * _RANGE.size) for i in range(n)]
+
+
+_MCRC = struct.Struct("<II")  # first row, row count
+
+
+def pack_mem_crc(row: int, count: int) -> bytes:
+    return _MCRC.pack(row, count)
+
+
+def unpack_mem_crc(p: bytes) -> tuple[int, int]:
+    _need(p, _MCRC.size, "MEM_CRC")
+    return _MCRC.unpack(p)
+
+
+def pack_mem_crc_reply(crc: int) -> bytes:
+    return _U32.pack(crc & 0xFFFFFFFF)
+
+
+def unpack_mem_crc_reply(p: bytes) -> int:
+    _need(p, 4, "MEM_CRC_REPLY")
+    return _U32.unpack(p)[0]
 
 
 _LOADP = struct.Struct("<II")  # rows that will be written (hint), reserved
@@ -281,7 +334,6 @@ def unpack_load_end(p: bytes) -> tuple[int, int, int]:
 
 
 # ----------------------------------------------------------------- EXEC / READBACK
-_U32 = struct.Struct("<I")
 _RB = struct.Struct("<BxxxI")  # dtype, pad, element count
 
 

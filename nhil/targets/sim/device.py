@@ -63,6 +63,24 @@ class PimState:
         self.row_slot[row] = s
         return s
 
+    def reset_keep(self, keep: np.ndarray) -> None:
+        """Clear the state except the bank rows where ``keep`` (bool ``[rows]``) is set: every other row reads as
+        zero again; GB, ACC and CFRs are zeroed (the state after ``load`` of a program whose images are the kept rows)."""
+        rows = np.flatnonzero((self.row_slot >= 0) & ~keep)
+        for s in self.row_slot[rows]:
+            self.drop_decoded(int(s))
+        self.mem[:, :, self.row_slot[rows], :] = 0
+        self.gb[:] = 0
+        self.acc[:] = 0
+        self.cfr[:] = 0
+
+    def row_image(self, row: int) -> np.ndarray:
+        """uint16 ``[channels, banks, cols]`` copy of row ``row`` of every bank (zeros when never written)."""
+        s = self.slot(row, allocate=False)
+        if s < 0:
+            return np.zeros((self.d.channels, self.d.banks, self.d.cols), np.uint16)
+        return np.ascontiguousarray(self.mem[:, :, s, :])
+
     def rows_allocated(self) -> int:
         """Number of rows that hold data (memory actually allocated = this x channels x banks x row_bytes)."""
         return self.n_slots
