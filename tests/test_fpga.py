@@ -27,14 +27,16 @@ from nhil.targets.fpga import FpgaTarget, link_benchmark
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.emulator import Board
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
-from nhil.targets.fpga.frame import BAD_CRC, BAD_OVERSIZE, END, Bad, Deframer, Frame, crc32, decode_body, encode_body, encode_frame, escape, unescape
+from nhil.targets.fpga.frame import (BAD_CRC, BAD_OVERSIZE, END, SHORT_TYPES, Bad, Deframer, Frame, Short, crc32, decode_body, encode_body, encode_frame,
+                                     encode_short, escape, unescape)
 from nhil.targets.sim import SimTarget
 
 pytestmark = pytest.mark.fpga
 
 DEV = DEVICE_PRESETS["fpga-small"]  # 2 channels x 16 banks x 1024 rows x 1024 cols
 
-frames = st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF), st.binary(max_size=600))
+regular_types = st.integers(0, 255).filter(lambda t: t not in SHORT_TYPES)  # 0x40-0x4F open a short frame instead
+frames = st.tuples(regular_types, st.integers(0, 255), st.integers(0, 0xFFFF), st.integers(0, 0xFFFFFFFF), st.binary(max_size=600))
 # payloads rich in the two special bytes, to exercise escaping
 special = st.lists(st.sampled_from([0xC0, 0xDB, 0xDC, 0xDD, 0x00, 0x41]), max_size=200).map(bytes)
 
@@ -92,7 +94,7 @@ def test_truncated_frames_are_never_accepted(fr, data):
 
 
 @settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 255), st.integers(0, 0xFFFF), st.one_of(st.binary(max_size=48), special.map(lambda b: b[:48])))
+@given(regular_types, st.integers(0, 0xFFFF), st.one_of(st.binary(max_size=48), special.map(lambda b: b[:48])))
 def test_every_single_bit_error_is_detected(t, seq, payload):
     wire = encode_frame(t, 0, seq, 0x1234, payload)
     good = Frame(t, 0, seq, 0x1234, payload)
@@ -104,7 +106,7 @@ def test_every_single_bit_error_is_detected(t, seq, payload):
             d = Deframer()
             evs = d.feed(primer) if prime else []
             evs = d.feed(bytes(bad)) + d.feed(bytes([END]))
-            assert not any(isinstance(e, Frame) for e in evs), (bit, prime)
+            assert not any(isinstance(e, (Frame, Short)) for e in evs), (bit, prime)
     body = encode_body(t, 0, seq, 0x1234, payload)
     assert decode_body(body, 1 << 16) == good
     for bit in range(8 * len(body)):
@@ -218,7 +220,7 @@ def test_board_rejects_bad_lengths_addresses_and_types_and_keeps_serving():
     assert _err(w.req(P.WRITE_MEM, P.pack_write_mem(0, 0, b"\1")))[0] == P.E_BAD_LENGTH
     assert _err(w.req(P.READ_MEM, P.pack_read_mem(0, 0, 0xFFFFFFFF)))[0] == P.E_ADDRESS
     assert _err(w.req(P.READ_MEM, P.pack_read_mem(0, 0, 4000)))[0] == P.E_OVERSIZE  # 8000 B > max payload
-    assert _err(w.req(0x42, b"?"))[0] == P.E_UNKNOWN_TYPE
+    assert _err(w.req(0x5A, b"?"))[0] == P.E_UNKNOWN_TYPE
     assert _err(w.req(P.ACK))[0] == P.E_UNKNOWN_TYPE
     assert _err(w.req(P.LOAD_END, P.pack_load_end(0, 0, 0)))[0] == P.E_STATE
     assert _err(w.req(P.LOAD_PROGRAM, P.pack_load_program(DEV.rows + 1)))[0] == P.E_ADDRESS
@@ -396,7 +398,7 @@ def test_emulator_keeps_serving_bad_frames_over_the_pty():
     with FpgaTarget(device="fpga-small") as t:
         t.ser.write(bytes([END]) + os.urandom(3000) + bytes([END]))
         t.ser.write(encode_frame(P.WRITE_MEM, 0, 500, t.board_nonce, b"\0" * (t.max_payload + 64)))
-        t.ser.write(encode_frame(0x42, 0, 501, t.board_nonce, b""))
+        t.ser.write(encode_frame(0x5A, 0, 501, t.board_nonce, b""))
         t.ser.write(encode_frame(P.WRITE_MEM, 0, 502, t.board_nonce, P.pack_write_mem(DEV.rows, 0, b"\0\0")))
         seen = {}
         deadline = time.monotonic() + 5

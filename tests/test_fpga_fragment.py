@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nhil.targets.fpga import protocol as P
-from nhil.targets.fpga.driver import _subtract
+from nhil.targets.fpga.driver import _grid_cuts, _spans
 from nhil.targets.fpga.emulator import Board
-from nhil.targets.fpga.fragment import E_FRAGMENT, E_MSG_CRC, Reassembler, ReassemblyError, ReplyBuffer, plan_fragment, zero_runs
+from nhil.targets.fpga.fragment import E_FRAGMENT, E_MSG_CRC, Reassembler, ReassemblyError, ReplyBuffer
 from nhil.targets.fpga.frame import Deframer, Frame, crc32, encode_frame
 from nhil.isa.device import DEVICE_PRESETS
 
@@ -49,28 +49,6 @@ def test_any_split_round_trips(msg, data):
         out = r.zero(a, b - a) if not any(piece) and data.draw(st.booleans()) else r.data(a, piece)
     assert out == (P.WRITE_MEM, msg)
     assert not r.open  # the buffer is free for the next message
-
-
-@settings(max_examples=200)
-@given(messages, st.integers(1, 64))
-def test_host_plan_covers_the_message_and_encodes_zero_runs(msg, budget):
-    runs = zero_runs(msg, 24)
-    for s, e in runs:
-        assert not any(msg[s:e]) and e - s >= 24
-    r = Reassembler(1 << 16)
-    out = r.begin(P.EXEC, len(msg), crc32(msg), b"")
-    pos = 0
-    while out is None:
-        kind, a, e = plan_fragment(len(msg), runs, pos, budget)
-        assert a == pos < e <= len(msg)
-        if kind == "zero":
-            assert not any(msg[a:e])
-            out = r.zero(a, e - a)
-        else:
-            assert e - a <= budget
-            out = r.data(a, msg[a:e])
-        pos = e
-    assert out == (P.EXEC, msg)
 
 
 def _held(r):
@@ -218,11 +196,13 @@ def test_reply_buffer_fetch_any_split(reply, data):
             rb.fetch(off, mx)
 
 
-def test_subtract_ranges_hand_computed():
-    assert _subtract([(0, 100)], [(10, 20), (50, 100)]) == [(0, 10), (20, 50)]
-    assert _subtract([(0, 10), (20, 30)], [(5, 25)]) == [(0, 5), (25, 30)]
-    assert _subtract([(0, 10)], []) == [(0, 10)]
-    assert _subtract([(0, 10)], [(0, 10)]) == []
+def test_query_spans_and_grid_cuts_hand_computed():
+    # pieces as inclusive cell ranges -> (first cell, count) spans of at most 64 cells
+    assert _spans([(0, 0), (1, 3), (70, 70)]) == [(0, 64), (70, 1)]
+    assert _spans([(10, 100)]) == [(10, 64), (74, 27)]
+    assert _spans([(5, 5)]) == [(5, 1)]
+    assert list(_grid_cuts(0, 100, 32)) == [0, 32, 64, 96]
+    assert list(_grid_cuts(10, 100, 32)) == [10, 32, 64, 96]
 
 
 # ---------------------------------------------------------------- the board's message layer

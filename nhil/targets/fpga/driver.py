@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import select
 import subprocess
@@ -34,26 +35,29 @@ from nhil.isa.instr import OPINFO, Op
 from nhil.isa.program import Program
 from nhil.targets.base import Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.fpga import protocol as P
-from nhil.targets.fpga.fragment import ZERO_RUN_MIN, plan_fragment, zero_runs
-from nhil.targets.fpga.frame import BAD_CRC, DEFAULT_MAX_PAYLOAD, END, OVERHEAD, Bad, Deframer, Frame, crc32, encode_frame
+from nhil.targets.fpga import stream as S
+from nhil.targets.fpga.frame import BAD_CRC, DEFAULT_MAX_PAYLOAD, END, OVERHEAD, Bad, Deframer, Frame, Short, crc32, encode_frame
 
 DEFAULT_BAUD = 3_000_000
 COUNTERS = (
     "frames_tx", "frames_rx", "bytes_tx", "bytes_rx", "payload_tx", "payload_rx", "crc_errors", "framing_errors",
     "naks", "retries", "resyncs", "timeouts", "stale_replies", "duplicate_replies", "board_errors",
     "messages", "fragments", "zero_bytes", "fetches", "shrinks", "grows", "msg_crc_errors", "reply_crc_errors",
+    "short_tx", "short_rx", "cells_up", "cells_down", "cell_up", "cell_down", "polls",
 )
 DIRECT_MAX = 64  # requests with a larger payload travel as fragmented messages
 MIN_FRAGMENT = 16  # smallest fragment data budget (bytes)
 GROW, SHRINK = 1.5, 0.8  # budget x GROW after a good exchange, x SHRINK**k after the k-th failure in a row
-MIN_RTO = 0.02  # seconds: floor of the adaptive reply timeout
-WINDOW = 16  # first and smallest window: fragments (or FETCHes) sent back to back before waiting (section 6)
-WINDOW_MAX = 512  # largest window (the board keeps up to 1024 received ranges, fragment.MAX_RANGES)
-QUERY_EVERY = 8  # one MSG_QUERY per this many fragments of a window, starting at that fragment
-PER_FRAME_S = 0.0001  # allowance for the board to process one frame of a window (the emulator takes ~20 us)
-QUERY_COPIES = 2  # copies of each range MSG_QUERY closing a window
-QUERY_LAST_COPIES = 4  # plain MSG_QUERYs (8-byte reply) after them
-QUERY_RANGES = 2  # missing ranges asked per MSG_QUERY (a short reply survives a noisy line)
+MIN_RTO = 0.005  # seconds: floor of the adaptive reply timeout
+MAX_CELL = 1 << 15  # largest cell of a short-frame stream (bytes)
+SWIN_MIN, SWIN_MAX = 16, 1024  # short frames per burst (adapts: doubles after a burst with progress, halves without)
+RANGE_BUDGET = 768  # most pieces outstanding in an upload: the board keeps up to 1024 held ranges (fragment.MAX_RANGES)
+PER_FRAME_S = 0.0001  # allowance for the board to process one frame of a burst (the emulator takes ~10-20 us)
+WRITE_CHUNK = 16384  # bytes per os.write while draining the receive side (_write)
+PING_COPIES = 6  # S_PINGs closing a burst
+FETCH_COPIES = 3  # copies of each S_FETCH (the board serves the first and answers the others with S_DONE only)
+TAIL_FILL = 48  # a burst of fewer pieces sends each several times, to about this many frames
+QUERY_COPIES = 4  # copies of each S_QUERY closing an upload burst
 _END_B = bytes([END])
 
 
@@ -98,17 +102,23 @@ def start_emulator(device: str, faults: str = "", rtl: bool = False, timeout: fl
     return proc, path
 
 
-def _subtract(ranges: list[tuple[int, int]], done: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Byte ranges ``ranges`` minus the ranges ``done`` (both half-open), in order."""
-    out = []
-    for lo, hi in ranges:
-        cuts = sorted((max(lo, a), min(hi, b)) for a, b in done if a < hi and b > lo)
-        for a, b in cuts:
-            if a > lo:
-                out.append((lo, a))
-            lo = max(lo, b)
-        if lo < hi:
-            out.append((lo, hi))
+def _grid_cuts(a: int, e: int, g: int) -> range:
+    """Starts of the pieces of ``[a, e)`` cut at the multiples of ``g``."""
+    return range(a, e, g) if a % g == 0 else iter([a, *range((a // g + 1) * g, e, g)])
+
+
+def _spans(cells: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(first cell, count <= MAX_CELLS)`` query spans covering the inclusive cell ranges ``cells`` (ascending)."""
+    out: list[tuple[int, int]] = []
+    end = -1  # first cell not covered yet
+    for c0, c1 in cells:
+        while c1 >= end:
+            start = max(c0, end)
+            out.append((start, S.MAX_CELLS))
+            end = start + S.MAX_CELLS
+    if out:  # trim the last span to the cells it needs
+        c0, _ = out[-1]
+        out[-1] = (c0, max(c1 for _, c1 in cells if c1 >= c0) - c0 + 1)
     return out
 
 
@@ -200,7 +210,10 @@ class FpgaTarget(Target):
         self.max_message = DEFAULT_MAX_PAYLOAD
         self.budget = self.budget_max = self.budget_min_seen = DEFAULT_MAX_PAYLOAD - P.BEGIN_HEADER
         self._fails = 0  # failed exchanges in a row
-        self.window = WINDOW  # frames per selective-repeat window (adapts, section 6)
+        self.swin = SWIN_MIN  # short frames per burst (section 12)
+        self._lnq: dict[str, float | None] = {"up": None, "down": None}  # ln(per-byte survival) per direction
+        self._qid = 0  # id of the last S_QUERY / S_FETCH
+        self._exec_s = 0.0  # smoothed seconds from ACCEPTED to an EXEC's reply
         self._fd: int | None = None  # selectable descriptor of the port, if it has one
         self._srtt: float | None = None
         self._rttvar = 0.0
@@ -272,7 +285,7 @@ class FpgaTarget(Target):
                 ev = self._recv(until)
                 if ev is None:
                     break
-                if isinstance(ev, Bad):
+                if not isinstance(ev, Frame):
                     continue
                 if ev.type == P.HELLO:
                     echoed = True
@@ -320,8 +333,25 @@ class FpgaTarget(Target):
 
     # ------------------------------------------------------------ bytes
     def _write(self, data: bytes, payload_bytes: int) -> None:
+        """Write ``data``, reading whatever arrives meanwhile into the receive queue: a board answering a long
+        burst fills the line back to us while we still write, and if neither side read, both would block."""
         try:
-            self.ser.write(data)
+            if self._fd is None:
+                self.ser.write(data)
+            else:
+                mv = memoryview(data)
+                deadline = time.monotonic() + max(10.0, self.run_timeout)
+                while mv:
+                    r, w, _ = select.select([self._fd], [self._fd], [], 0.05)
+                    if r:
+                        self._feed(self.ser.read(self.ser.in_waiting or 1))
+                    if w:
+                        try:
+                            mv = mv[os.write(self._fd, mv[:WRITE_CHUNK]) :]
+                        except BlockingIOError:
+                            pass
+                    if mv and time.monotonic() > deadline:
+                        raise TimeoutError(f"{len(mv)} of {len(data)} bytes not accepted within {max(10.0, self.run_timeout):.0f} s")
         except NhilError:  # e.g. verify's stage timeout interrupting the write: keep its outcome (TIMEOUT)
             raise
         except Exception as e:  # SerialException, SerialTimeoutException, OSError
@@ -330,7 +360,7 @@ class FpgaTarget(Target):
         self.link["bytes_tx"] += len(data)
         self.link["payload_tx"] += payload_bytes
 
-    def _recv(self, deadline: float) -> Frame | Bad | None:
+    def _recv(self, deadline: float) -> Frame | Short | Bad | None:
         """Next received frame or bad run, or ``None`` at ``deadline``."""
         while not self._q:
             left = deadline - time.monotonic()
@@ -351,18 +381,22 @@ class FpgaTarget(Target):
                 raise
             except Exception as e:
                 raise LinkError(f"read from {self.url} failed: {e}") from None
-            if not data:
-                continue
-            self.link["bytes_rx"] += len(data)
-            for ev in self._rx.feed(data):
-                if isinstance(ev, Bad):
-                    self.link["resyncs"] += 1
-                    self.link["crc_errors" if ev.reason == BAD_CRC else "framing_errors"] += 1
-                else:
-                    self.link["frames_rx"] += 1
-                    self.link["payload_rx"] += len(ev.payload)
-                self._q.append(ev)
+            self._feed(data)
         return self._q.popleft()
+
+    def _feed(self, data: bytes) -> None:
+        """Decode received bytes into the queue of frames / bad runs, counting them."""
+        if not data:
+            return
+        self.link["bytes_rx"] += len(data)
+        for ev in self._rx.feed(data):
+            if isinstance(ev, Bad):
+                self.link["resyncs"] += 1
+                self.link["crc_errors" if ev.reason == BAD_CRC else "framing_errors"] += 1
+            else:
+                self.link["frames_rx"] += 1
+                self.link["payload_rx"] += len(ev.payload if isinstance(ev, Frame) else ev.body)
+            self._q.append(ev)
 
     def _rto(self, nbytes: int) -> float:
         """Reply timeout: RFC 6298 SRTT + 4 RTTVAR (floor MIN_RTO, ceiling ``frame_timeout``; ``frame_timeout`` before
@@ -435,6 +469,14 @@ class FpgaTarget(Target):
             bad = 0
             while True:
                 ev = self._recv(deadline)
+                if ev is None and accepted and time.monotonic() < run_deadline:
+                    # the EXEC runs, or its reply was lost: ask again (same seq; a busy board answers when done,
+                    # from its cache) at growing intervals, without spending the retry budget, up to the run timeout
+                    self.link["polls"] += 1
+                    self._write(frame, len(payload))
+                    poll = min(2 * poll, 1.0)
+                    deadline = min(run_deadline, time.monotonic() + poll)
+                    continue
                 if ev is None:
                     self.link["timeouts"] += 1
                     why = "timeout"
@@ -445,6 +487,9 @@ class FpgaTarget(Target):
                     bad += 1
                     if bad >= copies:
                         break
+                    continue
+                if isinstance(ev, Short):  # the tail of an earlier stream (its last answer was lost)
+                    self.link["stale_replies"] += 1
                     continue
                 if ev.nonce != self.board_nonce:
                     self._dead = f"board reset detected during {name}: its session nonce changed from 0x{self.board_nonce:08x} to 0x{ev.nonce:08x}; device state is lost, the run cannot continue"
@@ -464,105 +509,194 @@ class FpgaTarget(Target):
                 if ev.flags & P.F_RETX:
                     self.link["duplicate_replies"] += 1
                 if ev.type == P.ACCEPTED:
-                    deadline = time.monotonic() + self.run_timeout
-                    accepted = True
+                    if not accepted:
+                        accepted, t_acc = True, time.monotonic()
+                        run_deadline = t_acc + self.run_timeout
+                        poll = self._rto(len(frame) + min(reply_size, self.budget)) + 2 * self._exec_s
+                        deadline = min(run_deadline, t_acc + poll)
                     continue
-                if attempt == 0 and not accepted and copies == 1:
+                if accepted:  # how long the board takes to execute: the first poll waits twice that
+                    self._exec_s = 0.8 * self._exec_s + 0.2 * (time.monotonic() - t_acc)
+                if attempt == 0 and not accepted:  # Karn: never from a retransmission (copies answer alike)
                     self._rtt_sample(time.monotonic() - t_sent)
                 self._adapt(True)
                 return ev
             self._adapt(False)
         raise LinkError(f"{name} (seq {seq}) got no valid reply from {self.url} after {self.max_retries} attempts (last: {why}); link: {self._brief()}")
 
-    def _burst(self, reqs: list[tuple[int, bytes]], name: str, copies: int = 1,
-               tail: list[tuple[int, bytes]] | None = None, tail_copies: int = 2) -> tuple[dict[int, Frame], dict[int, Frame]]:
-        """Send ``reqs`` (type, payload) back to back, each with a fresh seq in ``copies`` copies, then the ``tail``
-        requests (default one MSG_QUERY) in ``tail_copies`` copies each.
+    # ------------------------------------------------------------ short-frame streams (section 12)
+    def _cell(self, direction: str) -> int:
+        """Cell size (bytes, a power of two) for short-frame streams in ``direction`` ("up": to the board, "down").
 
-        Collects replies until the last tail request's reply (the board answers in order, so everything it
-        sent for the burst has arrived by then), a short grace after any tail reply, or the reply timeout.
-        Returns ({request index: first valid reply}, {tail index: first valid reply}). Never raises for
-        lost frames: the caller re-sends what is missing.
+        From the per-byte survival estimated on earlier bursts: ``k * q^(k + overhead)`` (data bytes delivered per
+        frame sent) peaks at ``k = -1 / ln q``; before any estimate, the fragment budget."""
+        lnq = self._lnq[direction]
+        k = float(self.budget) if lnq is None else (-1.0 / lnq if lnq < -1e-9 else float(MAX_CELL))
+        k = max(float(MIN_FRAGMENT), min(k, float(MAX_CELL), float(self.max_payload - 16)))
+        return 1 << max(4, int(round(math.log2(k))))
+
+    def _learn(self, direction: str, delivered: int, sent: int, wire_bytes: float) -> None:
+        """Update the per-byte survival estimate from ``delivered`` of ``sent`` frames of mean ``wire_bytes``."""
+        if sent <= 0 or wire_bytes <= 0:
+            return
+        r = (delivered + 0.5) / (sent + 1.0)
+        sample = math.log(r) / wire_bytes
+        if not delivered:  # nothing got through: at least halve the frames
+            sample = min(sample, -2.0 / max(1.0, wire_bytes - S.SHORT_OVERHEAD))
+        old = self._lnq[direction]
+        self._lnq[direction] = sample if old is None else 0.5 * old + 0.5 * sample
+        self.link["cell_up" if direction == "up" else "cell_down"] = self._cell(direction)
+
+    def _sburst(self, frames: list[bytes], back: int, name: str, on_short, answers: int = 0) -> None:
+        """Write short ``frames`` back to back (after one END), then ``PING_COPIES`` S_PINGs, and hand every other
+        short frame received to ``on_short(Short)`` until the first S_PONG (the board answers in order, so
+        everything it sent for the burst came before), a grace after the latest arrival for the rest of the
+        ``answers`` frames expected, or the reply timeout (the board's time per frame, the wire time of the bytes
+        sent and the ``back`` bytes expected at the baud rate). Never raises for lost frames: the caller sends
+        again what is missing.
+
+        Raises:
+            LinkError: the link is closed, or a regular frame shows the board was reset.
         """
         if self.ser is None:
             raise LinkError("the fpga target is not open")
         if self._dead:
             raise LinkError(self._dead)
-        tail = [(P.MSG_QUERY, b"")] if tail is None else tail
-        seqs: dict[int, int] = {}
-        out = []
-        nbytes = 0
-        for i, (t, pl) in enumerate([*reqs, *tail]):
-            self._seq = (self._seq % 0xFFFF) + 1
-            seqs[self._seq] = i
-            fr = encode_frame(t, 0, self._seq, self.board_nonce, pl) + _END_B
-            c = copies if i < len(reqs) else tail_copies
-            out.append(fr * c)
-            nbytes += c * (len(fr) + (self.budget if t == P.FETCH else 16))
-        wire = b"".join(out)
-        self._write(wire, copies * sum(len(pl) for _, pl in reqs) + tail_copies * sum(len(pl) for _, pl in tail))
-        self.link["frames_tx"] += copies * len(reqs) + tail_copies * len(tail) - 1
-        last = len(reqs) + len(tail) - 1
-        got: dict[int, Frame] = {}
-        t_sent = time.monotonic()
-        deadline = t_sent + self._rto(nbytes + 64)
-        grace = 0.002
-        nframes = copies * len(reqs) + tail_copies * len(tail)
-        per_frame = PER_FRAME_S + 10 * (len(wire) / nframes + 32) / self.baud  # board time + wire time of one more reply
+        self._qid = (self._qid + 1) & 0xFFFF
+        ping = self._qid
+        frames = [*frames, *[S.s_ping(ping)] * PING_COPIES]
+        wire = _END_B + b"".join(frames)
+        self._write(wire, len(wire))
+        self.link["frames_tx"] += len(frames) - 1
+        self.link["short_tx"] += len(frames)
+        t0 = time.monotonic()
+        deadline = t0 + self._rto(len(wire) + back) + PER_FRAME_S * len(frames)
+        expect = answers + PING_COPIES
+        per_frame = PER_FRAME_S + 10 * (back / expect + 8) / self.baud
         while True:
             ev = self._recv(deadline)
             if ev is None:
-                if not got:
-                    self.link["timeouts"] += 1
-                break
+                self.link["timeouts"] += 1
+                return
             if isinstance(ev, Bad):
                 continue
-            if ev.nonce != self.board_nonce:
-                self._dead = f"board reset detected during {name}: its session nonce changed from 0x{self.board_nonce:08x} to 0x{ev.nonce:08x}; device state is lost, the run cannot continue"
-                raise LinkError(self._dead)
-            if ev.type in P.REQUESTS:
-                continue
-            if ev.type == P.NAK:
-                self.link["naks"] += 1
-                continue
-            i = seqs.get(ev.seq)
-            if i is None:
+            if isinstance(ev, Frame):  # a late regular reply: only a changed nonce matters
+                if ev.nonce != self.board_nonce and ev.type not in P.REQUESTS:
+                    self._dead = f"board reset detected during {name}: its session nonce changed from 0x{self.board_nonce:08x} to 0x{ev.nonce:08x}; device state is lost, the run cannot continue"
+                    raise LinkError(self._dead)
                 self.link["stale_replies"] += 1
                 continue
-            if ev.type == P.ERROR and P.unpack_error(ev.payload)[0] == P.E_SESSION:
-                self._board_error(name, ev)
-            if i in got:
-                self.link["duplicate_replies"] += 1
+            self.link["short_rx"] += 1
+            if ev.type == S.S_PONG:
+                if ev.body == ping.to_bytes(2, "little"):  # (no RTT sample: a burst's time is mostly the board's work)
+                    return
                 continue
-            got[i] = ev
-            if i == last:
-                if len(got) == 1 or max(j for j in got if j != last) < len(reqs):
-                    self._rtt_sample(time.monotonic() - t_sent)
-                break
-            # the board answers in order: once reply i is here, the later ones follow as fast as it processes frames
-            deadline = min(deadline, time.monotonic() + grace + (last - i) * per_frame)
-        return {i: f for i, f in got.items() if i < len(reqs)}, {i - len(reqs): f for i, f in got.items() if i >= len(reqs)}
+            on_short(ev)
+            expect = max(0, expect - 1)
+            deadline = min(deadline, time.monotonic() + 0.002 + expect * per_frame)
 
-    def _adapt_burst(self, done: int, sent: int) -> None:
-        """Budget and window after a burst. With selective repeat a lost frame wastes only itself, so the
-        fragment size aims at about half of the frames getting through (the goodput optimum of
-        ``L (1-p)^(L+overhead)`` is near a delivery rate of 1/e): grow when at least 50% did, shrink below
-        25%. The window doubles after a burst with progress (up to ``WINDOW_MAX``) and halves without."""
-        if done >= 0.5 * sent:
-            self._adapt(True)
-        elif done < 0.25 * sent:
-            self._fails = 0
-            self._adapt(False)
-        self.window = min(WINDOW_MAX, self.window * 2) if done else max(WINDOW, self.window // 2)
+    def _lost(self, name: str, what: str):
+        """The board answered a short query with 'no such message / reply': find out why, then raise."""
+        self.status()  # raises 'board reset detected' when the nonce changed
+        raise LinkError(f"{name}: the board no longer holds the {what} (short-frame status GONE); it was discarded mid-transfer; link: {self._brief()}")
 
-    def _query(self, name: str) -> tuple[int, int]:
-        """(received, total) of the board's open message, stop-and-wait."""
-        ev = self._exchange(P.MSG_QUERY, lambda _b: b"", 0, f"{name} (MSG_QUERY)")
-        if ev.type == P.ERROR:
-            self._board_error(f"{name} (MSG_QUERY)", ev)
-        if ev.type != P.FRAG_ACK:
-            raise LinkError(f"protocol violation: MSG_QUERY answered with {P.NAMES.get(ev.type, hex(ev.type))}")
-        return P.unpack_frag_ack(ev.payload)
+    def _stream_up(self, payload: bytes, total: int, tag: int, lo: int, hi: int, name: str) -> None:
+        """Make the board hold bytes ``[lo, hi)`` of the open message with S_DATA / S_ZERO frames in bursts, each
+        closed by S_QUERYs whose bitmaps show which pieces arrived; pieces not shown held are sent again with the
+        same boundaries, or cut on a finer power-of-two grid (a piece is held whole or not at all, so a repeat is
+        new bytes or an exact duplicate). Pieces lie on the grid of cells of ``_cell("up")`` bytes up to the last
+        grid line before ``hi``; the rest is cut into power-of-two *solo* pieces, each asked about by a query of
+        one cell of its own size (a bitmap cell must not reach into the message's last, unsent byte). At most
+        ``RANGE_BUDGET`` pieces are outstanding, so the board's table of held ranges never fills.
+
+        Raises:
+            LinkError: no progress in ``max_retries`` bursts in a row, the board lost the message.
+        """
+        g = self._cell("up")
+        pend: list[tuple[int, int, bool, bool]] = []  # (start, end, zero, solo) sent and not yet shown held, ascending
+        frontier = lo
+        stalls = 0
+        mv = memoryview(payload)
+        while pend or frontier < hi:
+            g2 = self._cell("up")
+            if g2 < g:  # finer grid: cut the outstanding data pieces (nested grids keep every piece inside an old one)
+                pend = [p for a, e, z, so in pend for p in ([(a, e, z, so)] if z or so else
+                                                             [(x, min(e, (x // g2 + 1) * g2), False, False) for x in _grid_cuts(a, e, g2)])]
+                g = g2
+            hb = hi // g * g  # last grid line at or before hi: solo pieces after it
+            burst = pend[: self.swin]
+            again = len(burst)
+            while len(burst) < self.swin and len(pend) < RANGE_BUDGET and frontier < hi:
+                a = frontier
+                if a >= hb:  # binary cut of the remainder: 2^k bytes each, largest first
+                    e = a + (1 << ((hi - a).bit_length() - 1))
+                    piece = (a, e, False, True)
+                else:
+                    e = min(hb, (a // g + 1) * g)
+                    zero = not any(mv[a:e])
+                    if zero:  # a run of zero cells goes as one S_ZERO (at most half a query span)
+                        while e < hb and e - a < S.MAX_CELLS * g // 2 and not any(mv[e : e + g]):
+                            e += g
+                    piece = (a, e, zero, False)
+                pend.append(piece)
+                burst.append(piece)
+                frontier = e
+            if not burst:
+                return
+            wires = [S.s_zero(tag, a, e - a) if z else S.s_data(tag, a, payload[a:e]) for a, e, z, _ in burst]
+            copies = 1 if len(burst) >= TAIL_FILL else -(-TAIL_FILL // len(burst))  # the last few pieces: several copies each
+            frames = wires if copies == 1 else [f for f in wires for _ in range(copies)]
+            spans = _spans([(a // g, (e - 1) // g) for a, e, _, so in burst if not so])
+            queries = [(c0 * g, g, n) for c0, n in spans] + [(a, e - a, 1) for a, e, _, so in burst if so]
+            qids = []
+            for off, cell, n in queries:
+                self._qid = (self._qid + 1) & 0xFFFF
+                qids.append(self._qid)
+                frames.extend([S.s_query(tag, self._qid, off, cell.bit_length() - 1, n)] * QUERY_COPIES)
+            answers: dict[int, S.Bitmap] = {}
+
+            def on_short(ev):
+                if ev.type == S.S_BITMAP:
+                    try:
+                        b = S.parse(ev.type, ev.body)
+                    except S.ShortError:
+                        return
+                    answers.setdefault(b.qid, b)
+
+            self._sburst(frames, 20 * QUERY_COPIES * len(queries), name, on_short, QUERY_COPIES * len(queries))
+            held: set[tuple[int, int]] = set()  # (offset, cell size) of cells shown held
+            answered: set[tuple[int, int]] = set()
+            for qid, (off, cell, n) in zip(qids, queries):
+                b = answers.get(qid)
+                if b is None:
+                    continue
+                if b.status != S.ST_OK:
+                    self._lost(name, "message")
+                if len(b.bits) != (n + 7) // 8:
+                    raise LinkError(f"protocol violation: {name}: S_BITMAP of {len(b.bits)} bytes for {n} cells")
+                answered.update((off + i * cell, cell) for i in range(n))
+                held.update((off + i * cell, cell) for i in range(n) if S.bit(b.bits, i))
+            seen = shown = 0
+            wire = 0
+            done = set()
+            for k, (a, e, z, so) in enumerate(burst):
+                cells = [(a, e - a)] if so else [(c * g, g) for c in range(a // g, (e - 1) // g + 1)]
+                if all(c in answered for c in cells):
+                    seen += 1
+                    wire += len(wires[k])
+                    if all(c in held for c in cells):
+                        shown += 1
+                        done.add(a)
+            if copies == 1:  # with copies the delivery rate says little about one frame
+                self._learn("up", shown, seen, wire / max(1, seen))
+            self.link["retries"] += again
+            self.link["cells_up"] += len(done)
+            self.link["zero_bytes"] += sum(e - a for a, e, z, _ in burst if z and a in done)
+            pend = [p for p in pend if p[0] not in done]
+            self.swin = min(SWIN_MAX, self.swin * 2) if done else max(SWIN_MIN, self.swin // 2)
+            stalls = 0 if done else stalls + 1
+            if stalls >= self.max_retries:
+                raise LinkError(f"{name}: no piece of [{lo}, {hi}) of {total} got through in {stalls} bursts; link: {self._brief()}")
 
     def _transact(self, type_: int, payload: bytes, expect: int, reply_size: int = 0) -> Frame:
         """One request and its (inline or fetched) reply; payloads over DIRECT_MAX go as a fragmented message.
@@ -588,39 +722,39 @@ class FpgaTarget(Target):
         return ev
 
     def _send_message(self, type_: int, payload: bytes, reply_size: int, name: str) -> Frame:
-        """Send ``payload`` as MSG_BEGIN + MSG_DATA/MSG_ZERO fragments sized by the current budget.
+        """Send ``payload`` as a message: MSG_BEGIN (stop-and-wait) with as many first bytes as the fragment budget
+        allows (none once the line is known to be noisy), the rest but the last byte as short frames
+        (:meth:`_stream_up`), and the last byte as MSG_DATA / MSG_ZERO (stop-and-wait), whose reply is the inner
+        request's. Every byte before ``pos`` is held by the board and
+        none after it, between the steps. A message the board reports as E_MSG_CRC is sent again (3 times at most).
 
-        Returns the inner request's reply (the reply to the completing fragment). A message the
-        board reports as E_MSG_CRC is sent again (3 times at most).
+        Returns the inner request's reply.
         """
         total = len(payload)
         crc = crc32(payload)
-        runs_all = zero_runs(payload, ZERO_RUN_MIN)
-        lens = runs_all[:, 1] - runs_all[:, 0]
+        tag = S.tag_of(crc)
         self.link["messages"] += 1
         for _ in range(3):
             pos = 0
             begun = False
-            stalls = 0
             while True:
-                # kind and extent are fixed at the first attempt; a retransmission may only carry fewer data bytes
-                kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], pos, self.budget)
-                if begun and e < total:  # not the last fragment: stream the middle selectively, then finish in order
-                    pos = self._stream(payload, total, runs_all, lens, pos, name)
-                    continue
-                if not begun:
-                    t, end = P.MSG_BEGIN, (e if kind == "data" else pos)
-                    make = lambda b, end=end: P.pack_msg_begin(type_, total, crc, payload[: min(end, max(1, b))])
-                elif kind == "zero":
-                    t, zero = P.MSG_ZERO, P.pack_msg_zero(a, e - a)
-                    make = lambda _b, zero=zero: zero
+                if not begun:  # on a line known to be noisy MSG_BEGIN carries no data: a short frame survives best
+                    first = 0 if self._lnq["up"] is not None else total
+                    t, make = P.MSG_BEGIN, (lambda b, n=first: P.pack_msg_begin(type_, total, crc, payload[: min(n, max(1, b))]))
                 else:
-                    t = P.MSG_DATA
-                    make = lambda b, a=a, e=e: P.pack_msg_data(a, payload[a : min(e, a + max(1, b))])
+                    if total - 1 > pos:  # all but the last byte as short frames; the last one completes the message
+                        self._stream_up(payload, total, tag, pos, total - 1, name)
+                        pos = total - 1
+                    if payload[pos:].count(0) == total - pos:
+                        t, zero = P.MSG_ZERO, P.pack_msg_zero(pos, total - pos)
+                        make = lambda _b, zero=zero: zero
+                    else:
+                        t = P.MSG_DATA
+                        make = lambda b, a=pos: P.pack_msg_data(a, payload[a : min(total, a + max(1, b))])
                 ev = self._exchange(t, make, reply_size, f"{name} ({P.NAMES[t]} @{pos}/{total})")
                 self.link["fragments"] += 1
                 if t == P.MSG_ZERO:
-                    self.link["zero_bytes"] += e - a
+                    self.link["zero_bytes"] += total - pos
                 if ev.type != P.FRAG_ACK:
                     if ev.type == P.REPLY_HEAD:
                         ev = self._fetch(ev, name)
@@ -637,125 +771,81 @@ class FpgaTarget(Target):
                 pos, begun = got, True
         raise LinkError(f"{name}: the board reassembled a message of {total} bytes with a wrong CRC 3 times; link: {self._brief()}")
 
-    def _stream(self, payload: bytes, total: int, runs_all: np.ndarray, lens: np.ndarray, pos: int, name: str) -> int:
-        """Selective repeat of a message's middle (section 6): fragments of ``[pos, tail)`` go in windows of up to
-        ``self.window`` frames, each window closed by MSG_QUERYs asking for the missing ranges; only fragments not
-        known to be held are sent again, always with their first boundaries (so a repeat is an exact duplicate).
-        ``tail`` is the start of the fragment that would end the message; it is never sent here, so the
-        message cannot complete inside a window. Returns ``tail``: every byte before it is held by the board.
+    def _fetch(self, head: Frame, name: str) -> Frame:
+        """Read a REPLY_HEAD's reply by S_FETCH bursts (each asks for up to 64 missing cells, the board streams them
+        as S_REPLY and ends with S_DONE); check the CRC of the whole (3 tries).
 
         Raises:
-            LinkError: no progress in ``max_retries`` windows, the board lost the message, protocol violation.
+            LinkError: no progress in ``max_retries`` bursts, the board lost the reply, CRC mismatch 3 times.
         """
-        outstanding: list[tuple[int, int, int, bytes]] = []  # (start, end, type, payload) sent, not known held
-        frontier = pos
-        stalls = 0
-        while True:
-            # a fragment planned when the budget was larger is cut to the budget: each piece lies inside a fragment
-            # the board holds entirely or not at all, so a piece is new bytes or an exact duplicate, never an overlap
-            if any(t == P.MSG_DATA and e - a > self.budget for a, e, t, _ in outstanding):
-                b = max(1, self.budget)
-                outstanding = [piece for a, e, t, pl in outstanding for piece in (
-                    [(x, min(e, x + b), t, P.pack_msg_data(x, payload[x : min(e, x + b)])) for x in range(a, e, b)]
-                    if t == P.MSG_DATA and e - a > b else [(a, e, t, pl)])]
-            frags = outstanding[: self.window]
-            new = 0
-            while len(frags) < self.window and frontier < total:
-                kind, a, e = plan_fragment(total, runs_all[lens >= max(ZERO_RUN_MIN, self.budget // 2)], frontier, self.budget)
-                if e >= total:
-                    break
-                fr = (a, e, P.MSG_ZERO, P.pack_msg_zero(a, e - a)) if kind == "zero" else (a, e, P.MSG_DATA, P.pack_msg_data(a, payload[a:e]))
-                frags.append(fr)
-                outstanding.append(fr)
-                frontier = e
-                new += 1
-            if not frags:
-                return frontier
-            starts = sorted({frags[k][0] for k in range(0, len(frags), QUERY_EVERY)})
-            # the last query is a plain one (short reply, more copies): its arrival ends the wait for the window
-            tail = [(P.MSG_QUERY, P.pack_msg_query(s, QUERY_RANGES)) for s in starts] + [(P.MSG_QUERY, b"")] * QUERY_LAST_COPIES
-            got, answers = self._burst([(t, pl) for _, _, t, pl in frags], name, copies=1, tail=tail, tail_copies=QUERY_COPIES)
-            known = set()
-            for i, ev in got.items():
-                if ev.type == P.FRAG_ACK:
-                    rec, tot = P.unpack_frag_ack(ev.payload)
-                    if tot != total:
-                        raise LinkError(f"protocol violation: {name}: fragment [{frags[i][0]}, {frags[i][1]}) acknowledged for a message of {tot} bytes, not {total}")
-                    known.add(i)
-                elif ev.type == P.ERROR:
-                    if P.unpack_error(ev.payload)[0] != P.E_FRAGMENT:
-                        self._board_error(name, ev)
-                else:
-                    raise LinkError(f"protocol violation: {name}: fragment [{frags[i][0]}, {frags[i][1]}) of {total} answered with {P.NAMES.get(ev.type, hex(ev.type))}")
-            for j, ev in answers.items():
-                if j >= len(starts):
-                    continue  # the plain closing query
-                if ev.type == P.ERROR:
-                    self._board_error(f"{name} (MSG_QUERY)", ev)
-                try:
-                    rec, tot, miss = P.unpack_frag_ack_missing(ev.payload) if ev.type == P.FRAG_ACK else (0, -1, [])
-                except P.ProtocolError as err:
-                    raise LinkError(f"protocol violation: {name} (MSG_QUERY): {err}") from None
-                if tot != total:
-                    raise LinkError(f"protocol violation: {name}: the board holds no {total}-byte message any more "
-                                    f"(MSG_QUERY answered {P.NAMES.get(ev.type, hex(ev.type))} {rec}/{tot}); it was discarded mid-transfer")
-                lo = starts[j]
-                horizon = total if len(miss) < QUERY_RANGES else miss[-1][1]
-                for i, (a, e, _, _) in enumerate(frags):
-                    if lo <= a and e <= horizon and not any(ml < e and a < mh for ml, mh in miss):
-                        known.add(i)
-            sent_again = len(frags) - new
-            self.link["fragments"] += new
-            self.link["retries"] += sent_again
-            self.link["zero_bytes"] += sum(e - a for k, (a, e, t, _) in enumerate(frags) if t == P.MSG_ZERO and k in known)
-            done = {frags[i][0] for i in known}
-            outstanding = [f for f in outstanding if f[0] not in done]
-            self._adapt_burst(len(known), len(frags))
-            stalls = 0 if known else stalls + 1
-            if stalls >= self.max_retries:
-                raise LinkError(f"{name}: no fragment of [{pos}, {frontier}) of {total} got through in {stalls} windows; link: {self._brief()}")
-
-    def _fetch(self, head: Frame, name: str) -> Frame:
-        """Read a REPLY_HEAD's reply with FETCHes of the current budget; check its CRC (3 tries)."""
         try:
             rtype, total, crc = P.unpack_reply_head(head.payload)
         except P.ProtocolError as e:
             raise LinkError(f"protocol violation: {e}") from None
         if total > self.max_message:
             raise LinkError(f"protocol violation: {name} reply of {total} bytes exceeds the board's max message {self.max_message}")
+        tag = S.tag_of(crc)
         for _ in range(3):
             buf = bytearray(total)
-            missing = [(0, total)]  # byte ranges still to fetch
+            g = self._cell("down")
+            miss = [(a, min(total, a + g)) for a in range(0, total, g)]  # cells still to read
+            asked_before: set[int] = set()
             stalls = 0
-            while missing:
-                reqs, want = [], []
-                for lo, hi in missing:
-                    while lo < hi and len(reqs) < self.window:
-                        n = min(hi - lo, max(1, self.budget))
-                        reqs.append((P.FETCH, P.pack_fetch(lo, n)))
-                        want.append((lo, n))
-                        lo += n
-                got, _ = self._burst(reqs, f"{name} (FETCH)", copies=self._copies(), tail_copies=2 * self._copies())
-                self.link["fetches"] += len(reqs)
-                filled = []
-                for i, ev in got.items():
-                    if ev.type == P.ERROR:
-                        self._board_error(f"{name} (FETCH)", ev)
-                    lo, n = want[i]
+            while miss:
+                g2 = self._cell("down")
+                if g2 < g:
+                    miss = [(x, min(e, x + g2)) for a, e in miss for x in range(a, e, g2)]
+                    g = g2
+                burst = miss[: self.swin]
+                spans = _spans([(a // g, (e - 1) // g) for a, e in burst])
+                want = {a for a, _ in burst}
+                frames, qids, asked = [], [], []
+                for c0, n in spans:
+                    self._qid = (self._qid + 1) & 0xFFFF
+                    qids.append(self._qid)
+                    cells = [(c0 + i) * g in want for i in range(n)]
+                    asked.append([(c0 + i) * g for i in range(n) if cells[i]])
+                    frames.extend([S.s_fetch(tag, self._qid, c0 * g, g.bit_length() - 1, n, S.bits_of(cells))] * FETCH_COPIES)
+                got: dict[int, int] = {}
+                dones: dict[int, S.Done] = {}
+                ends = dict(burst)
+
+                def on_short(ev):
                     try:
-                        off, data = P.unpack_reply_data(ev.payload) if ev.type == P.REPLY_DATA else (None, b"")
-                    except P.ProtocolError as e:
-                        raise LinkError(f"protocol violation: {e}") from None
-                    if ev.type != P.REPLY_DATA or off != lo or not 0 < len(data) <= n:
-                        raise LinkError(f"protocol violation: FETCH at {lo} of a {total}-byte reply answered with {P.NAMES.get(ev.type, hex(ev.type))} at {off} ({len(data)} bytes)")
-                    buf[lo : lo + len(data)] = data
-                    filled.append((lo, lo + len(data)))
-                self._adapt_burst(len(filled), len(reqs))
-                self.link["retries"] += len(reqs) - len(filled)
-                missing = _subtract(missing, filled)
-                stalls = 0 if filled else stalls + 1
+                        x = S.parse(ev.type, ev.body)
+                    except S.ShortError:
+                        return
+                    if ev.type == S.S_REPLY:
+                        e = ends.get(x.offset)
+                        if x.tag == tag and e is not None and len(x.data) == e - x.offset:
+                            buf[x.offset : e] = x.data
+                            got[x.offset] = e
+                        else:
+                            self.link["stale_replies"] += 1
+                    elif ev.type == S.S_DONE:
+                        dones.setdefault(x.qid, x)
+
+                self._sburst(frames, sum(e - a + S.SHORT_OVERHEAD for a, e in burst) + 8 * len(frames), f"{name} (S_FETCH)", on_short, len(burst) + len(frames))
+                self.link["fetches"] += len(qids)
+                seen = shown = 0
+                nbytes = 0
+                for qid, offs in zip(qids, asked):
+                    d = dones.get(qid)
+                    if d is not None and d.status != S.ST_OK:
+                        self._lost(name, "reply")
+                    if d is not None or any(o in got for o in offs):  # the request arrived: its cells were sent
+                        seen += len(offs)
+                        shown += sum(1 for o in offs if o in got)
+                        nbytes += sum(ends[o] - o for o in offs)
+                self._learn("down", shown, seen, S.SHORT_OVERHEAD + nbytes / max(1, seen))
+                self.link["retries"] += sum(1 for a, _ in burst if a in asked_before)
+                asked_before.update(a for a, _ in burst)
+                self.link["cells_down"] += len(got)
+                miss = [p for p in miss if p[0] not in got]
+                self.swin = min(SWIN_MAX, self.swin * 2) if got else max(SWIN_MIN, self.swin // 2)
+                stalls = 0 if got else stalls + 1
                 if stalls >= self.max_retries:
-                    raise LinkError(f"{name}: FETCH of a {total}-byte reply made no progress in {stalls} bursts; link: {self._brief()}")
+                    raise LinkError(f"{name}: reading a {total}-byte reply made no progress in {stalls} bursts; link: {self._brief()}")
             if crc32(buf) == crc:
                 return Frame(rtype, head.flags, head.seq, head.nonce, bytes(buf))
             self.link["reply_crc_errors"] += 1
@@ -790,7 +880,10 @@ class FpgaTarget(Target):
         total = sum(int(img.data.size) * 2 for img in imgs)
         t0 = time.monotonic()
         self._transact(P.LOAD_PROGRAM, P.pack_load_program(len(imgs)), P.ACK)
-        chunk = max(1, min(self.chunk_bytes, self.max_message - 8) // 2)
+        # on a line known to be noisy (messages travel as short-frame streams) one message per max_message bytes
+        # saves the stop-and-wait begin and end of each 64 KiB chunk
+        chunk_bytes = self.chunk_bytes if self._lnq["up"] is None and self.budget >= self.chunk_bytes else self.max_message
+        chunk = max(1, min(chunk_bytes, self.max_message - 8, S.MAX_OFFSET) // 2)
         crc = 0
         nbytes = nwrites = 0
         show = self.progress if self.progress is not None else (total > (8 << 20) and sys.stderr.isatty())

@@ -28,7 +28,8 @@ from nhil.targets.base import DEVICE_OPS, ResolvedInstr
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
 from nhil.targets.fpga.fragment import QUERY_MAX_RANGES, Reassembler, ReassemblyError, ReplyBuffer
-from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, END, Bad, Deframer, Frame, encode_frame
+from nhil.targets.fpga import stream as S
+from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, END, Bad, Deframer, Frame, Short, encode_frame
 from nhil.targets.sim.device import PimState
 
 MAX_RESERVE_ROWS = 1024  # cap on the row pre-allocation a LOAD_PROGRAM hint may ask for
@@ -224,7 +225,9 @@ class Board:
         self.load_crc = 0
         self.load_bytes = 0
         self.load_writes = 0
-        self.counters = {"frames_ok": 0, "frames_bad": 0, "duplicates": 0, "errors": 0, "last_error": 0}
+        self.counters = {"frames_ok": 0, "frames_bad": 0, "duplicates": 0, "errors": 0, "last_error": 0, "short_ok": 0, "short_dropped": 0}
+        self._last_fetch = -1  # qid of the last S_FETCH served (its copies get S_DONE only)
+        self.streaming = False  # the last intact frame was a short one: damaged runs get no NAK (section 12)
 
     def _log(self, msg: str) -> None:
         if self.log is not None:
@@ -258,12 +261,17 @@ class Board:
                 self.counters["frames_bad"] += 1
                 if ev.seq is not None:  # CRC-valid but inconsistent: the seq is trustworthy
                     self._send(send, P.ERROR, ev.seq, P.pack_error(P.E_BAD_LENGTH, f"header length disagrees with the {ev.nbytes}-byte frame"))
-                else:
+                elif not self.streaming:  # inside a stream of short frames a NAK would tell the host nothing
                     self._log(f"rejected {ev.nbytes}-byte frame: {P.ERROR_NAMES.get(ev.reason, ev.reason)}")
                     self._send(send, P.NAK, self.cache[0] if self.cache else 0, P.pack_error(ev.reason, ""))
                 continue
             self.counters["frames_ok"] += 1
-            self.handle(ev, send)
+            if isinstance(ev, Short):
+                self.streaming = True
+                self.short(ev, send)
+            else:
+                self.streaming = False
+                self.handle(ev, send)
             if self.faults.reset_after and self.resets_done == 0 and self.counters["frames_ok"] >= self.faults.reset_after:
                 self.resets_done += 1
                 self._log(f"injected board reset after {self.counters['frames_ok']} frames")
@@ -283,6 +291,66 @@ class Board:
             self._send(send, P.REPLY_HEAD, seq, P.pack_reply_head(rtype, len(rpayload), self.replies.crc), flags)
         else:
             self._send(send, rtype, seq, rpayload, flags)
+
+    # ------------------------------------------------------------ short frames (section 12)
+    def short(self, f: Short, send) -> None:
+        """A short frame: data for the open message, a bitmap query, or a fetch of buffered reply cells.
+
+        Short frames never get an ERROR: one that does not parse, names another message (tag), arrives
+        without a session, overlaps held bytes or would complete the message is dropped and counted.
+        """
+        c = self.counters
+        try:
+            x = S.parse(f.type, f.body)
+        except S.ShortError as e:
+            c["short_dropped"] += 1
+            self._log(f"dropped short frame: {e}")
+            return
+        if not self.session or f.type not in S.HOST_SHORT:
+            c["short_dropped"] += 1
+            return
+        c["short_ok"] += 1
+        if f.type == S.S_PING:
+            send(_END_B + S.s_ping(x.qid, S.S_PONG))
+            return
+        r = self.reasm
+        if f.type in (S.S_DATA, S.S_ZERO):
+            if not r.open or S.tag_of(r.crc) != x.tag:
+                c["short_dropped"] += 1
+                return
+            try:
+                if f.type == S.S_DATA:
+                    r.data(x.offset, x.data, complete=False)
+                else:
+                    r.zero(x.offset, x.count, complete=False)
+            except ReassemblyError:
+                c["short_dropped"] += 1
+            return
+        cell = 1 << x.log2cell
+        if f.type == S.S_QUERY:
+            if not r.open or S.tag_of(r.crc) != x.tag:
+                send(_END_B + S.s_bitmap(x.qid, S.ST_GONE, b""))
+                return
+            flags = [r.held(a, min(a + cell, r.total)) if a < r.total else False for a in range(x.offset, x.offset + x.ncells * cell, cell)]
+            send(_END_B + S.s_bitmap(x.qid, S.ST_OK, S.bits_of(flags)))
+            return
+        rb = self.replies  # S_FETCH: the cells of the buffered reply the host still lacks
+        if rb.type is None or S.tag_of(rb.crc) != x.tag or cell + 6 > self.max_payload:
+            send(_END_B + S.s_done(x.qid, S.ST_GONE, 0))
+            return
+        if x.qid == self._last_fetch:  # a copy of the S_FETCH just served: S_DONE only
+            send(_END_B + S.s_done(x.qid, S.ST_OK, 0))
+            return
+        self._last_fetch = x.qid
+        sent = 0
+        lead = _END_B
+        for i in range(x.ncells):  # one frame per send: per-frame faults hit each frame
+            a = x.offset + i * cell
+            if S.bit(x.want, i) and a < len(rb.data):
+                send(lead + S.s_data(x.tag, a, rb.data[a : a + cell], S.S_REPLY))
+                lead = b""
+                sent += 1
+        send(lead + S.s_done(x.qid, S.ST_OK, sent))
 
     # ------------------------------------------------------------ requests
     def handle(self, f: Frame, send) -> None:

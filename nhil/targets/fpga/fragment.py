@@ -15,8 +15,7 @@ host streams many fragments without waiting and resends only what is missing.
 Large replies travel the other way through a :class:`ReplyBuffer` the host reads with
 FETCH (offset, max bytes); FETCH is read-only, so it may be repeated freely.
 
-:func:`plan_fragment` is the host's splitter: which fragment to send next for a given
-position and size budget, sending zero runs as MSG_ZERO.
+The host's side of the bulk path (short frames, section 12) is ``driver.py`` and ``stream.py``.
 """
 
 from __future__ import annotations
@@ -26,9 +25,6 @@ import bisect
 import numpy as np
 
 from nhil.targets.fpga.frame import crc32
-
-ZERO_RUN_MIN = 24  # zero runs at least this long go as MSG_ZERO (8 payload bytes instead of n)
-
 
 MAX_RANGES = 1024  # most disjoint received ranges the board keeps per message (a fragment adding one more is refused)
 QUERY_MAX_RANGES = 64  # most missing ranges one FRAG_ACK lists
@@ -87,19 +83,25 @@ class Reassembler:
             self._take(0, data)
         return self._finish()
 
-    def data(self, offset: int, data: bytes) -> tuple[int, bytes] | None:
-        """Take MSG_DATA ``data`` at byte ``offset``."""
-        if self._check(offset, len(data), data, "MSG_DATA"):
+    def data(self, offset: int, data: bytes, complete: bool = True) -> tuple[int, bytes] | None:
+        """Take MSG_DATA ``data`` at byte ``offset``; ``complete=False`` (short frames, which get no reply) refuses a
+        fragment that would complete the message."""
+        if self._check(offset, len(data), data, "MSG_DATA", complete):
             self._take(offset, data)
         return self._finish()
 
-    def zero(self, offset: int, count: int) -> tuple[int, bytes] | None:
-        """Take MSG_ZERO: ``count`` zero bytes at byte ``offset``."""
-        if self._check(offset, count, None, "MSG_ZERO"):
+    def zero(self, offset: int, count: int, complete: bool = True) -> tuple[int, bytes] | None:
+        """Take MSG_ZERO: ``count`` zero bytes at byte ``offset`` (``complete`` as for :meth:`data`)."""
+        if self._check(offset, count, None, "MSG_ZERO", complete):
             self._take(offset, bytes(count))
         return self._finish()
 
-    def _check(self, offset: int, n: int, data: bytes | None, what: str) -> bool:
+    def held(self, lo: int, hi: int) -> bool:
+        """Whether every byte of ``[lo, hi)`` (non-empty) of the open message is held."""
+        i = bisect.bisect_right(self.ends, lo)
+        return self.open and lo < hi and i < len(self.starts) and self.starts[i] <= lo and hi <= self.ends[i]
+
+    def _check(self, offset: int, n: int, data: bytes | None, what: str, complete: bool = True) -> bool:
         """Validate a fragment; ``True`` when it brings new bytes, ``False`` for an exact duplicate."""
         if not self.open:
             raise ReassemblyError(E_FRAGMENT, f"{what} at offset {offset} but no message is open (MSG_BEGIN first)")
@@ -116,6 +118,8 @@ class Reassembler:
                     return False  # exact duplicate: idempotent
                 raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) differs from the bytes held there")
             raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) overlaps held [{self.starts[i]},{self.ends[i]})")
+        if not complete and self.received + n == self.total:
+            raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) would complete the message, which only a fragment with a reply may do")
         joins = (i > 0 and self.ends[i - 1] == offset) + (i < len(self.starts) and self.starts[i] == end)
         if joins == 0 and len(self.starts) >= self.max_ranges:
             raise ReassemblyError(E_FRAGMENT, f"{what} [{offset},{end}) would make {len(self.starts) + 1} received ranges, over {self.max_ranges}")
@@ -190,32 +194,3 @@ class ReplyBuffer:
         if max_bytes < 1 or offset >= len(self.data):
             raise ReassemblyError(E_FRAGMENT, f"FETCH [{offset}, +{max_bytes}) outside the {len(self.data)}-byte reply")
         return self.data[offset : offset + max_bytes]
-
-
-def zero_runs(data: bytes, min_run: int = ZERO_RUN_MIN) -> np.ndarray:
-    """Start/end pairs ``int64 [k, 2]`` of the runs of at least ``min_run`` zero bytes in ``data``, in order."""
-    a = np.frombuffer(data, np.uint8)
-    if a.size == 0:
-        return np.zeros((0, 2), np.int64)
-    z = np.concatenate(([0], (a == 0).view(np.int8), [0]))
-    d = np.diff(z)
-    starts = np.flatnonzero(d == 1)
-    ends = np.flatnonzero(d == -1)
-    keep = ends - starts >= min_run
-    return np.stack([starts[keep], ends[keep]], axis=1).astype(np.int64)
-
-
-def plan_fragment(total: int, runs: np.ndarray, pos: int, budget: int) -> tuple[str, int, int]:
-    """Next fragment of a ``total``-byte message whose zero runs are ``runs``, from byte ``pos``.
-
-    Returns ``("zero", pos, end)`` when ``pos`` lies in a zero run (the rest of that run), else
-    ``("data", pos, end)`` with at most ``budget`` bytes, stopping before the next zero run.
-    """
-    if runs.size:
-        i = int(np.searchsorted(runs[:, 1], pos, side="right"))  # first run ending after pos
-        if i < len(runs):
-            s, e = int(runs[i, 0]), int(runs[i, 1])
-            if s <= pos:
-                return "zero", pos, e
-            return "data", pos, min(total, pos + max(1, budget), s)
-    return "data", pos, min(total, pos + max(1, budget))

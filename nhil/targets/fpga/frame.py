@@ -11,10 +11,14 @@ Wire format (``docs/link-protocol.md`` section 2)::
   0xFFFFFFFF, xorout 0xFFFFFFFF; check value of ``b"123456789"`` = 0xCBF43926) over the
   unescaped header and payload, stored little-endian.
 
+*Short frames* (``docs/link-protocol.md`` section 12) use the same stuffing and CRC but no
+header: ``type(1) | fields | data | crc32(4)`` with ``type`` in ``SHORT_TYPES`` (0x40-0x4F);
+their fields are parsed by ``nhil.targets.fpga.stream``.
+
 The :class:`Deframer` is a streaming decoder that never raises on input: it returns
-:class:`Frame` for a frame whose CRC, escapes and length are all valid, and
-:class:`Bad` for everything else (with the reason and, when the CRC was valid, the
-header's seq so the receiver can answer with an ERROR).
+:class:`Frame` for a frame whose CRC, escapes and length are all valid, :class:`Short`
+for a valid short frame, and :class:`Bad` for everything else (with the reason and, when
+the CRC was valid, the header's seq so the receiver can answer with an ERROR).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ HEADER = struct.Struct("<BBHII")  # type, flags, seq, nonce, length
 HEADER_BYTES = HEADER.size  # 12
 CRC_BYTES = 4
 OVERHEAD = HEADER_BYTES + CRC_BYTES  # bytes per frame besides payload (plus 2 END and escapes)
+SHORT_TYPES = range(0x40, 0x50)  # first byte of a short frame (no header; section 12)
+SHORT_MIN = 1 + 2 + CRC_BYTES  # smallest short frame body: type, a 16-bit field, CRC
 DEFAULT_MAX_PAYLOAD = 65536 + 256
 
 # reasons a received byte run is not a frame (also the NAK reason codes, see protocol.E_*)
@@ -58,6 +64,13 @@ class Frame(NamedTuple):
     seq: int
     nonce: int
     payload: bytes
+
+
+class Short(NamedTuple):
+    """A valid short frame: ``type`` and the bytes between it and the CRC (see ``stream.py``)."""
+
+    type: int
+    body: bytes
 
 
 class Bad(NamedTuple):
@@ -98,9 +111,24 @@ def encode_frame(type_: int, flags: int, seq: int, nonce: int, payload: bytes = 
     return b"".join((_END_B, escape(encode_body(type_, flags, seq, nonce, payload)), _END_B))
 
 
-def decode_body(body: bytes, max_payload: int) -> Frame | Bad:
+def encode_short(type_: int, body: bytes) -> bytes:
+    """Wire bytes of a short frame, without the leading END (frames sent back to back share one END):
+    ``escape(type | body | crc32) END``."""
+    head = bytes((type_,)) + body
+    return escape(head + crc32(head).to_bytes(4, "little")) + _END_B
+
+
+def decode_body(body: bytes, max_payload: int) -> Frame | Short | Bad:
     """Check and parse one unescaped body."""
     n = len(body)
+    if n and body[0] in SHORT_TYPES:
+        if n < SHORT_MIN:
+            return Bad(BAD_FRAMING, n)
+        if n > max_payload + OVERHEAD:
+            return Bad(BAD_OVERSIZE, n)
+        if crc32(memoryview(body)[:-CRC_BYTES]) != int.from_bytes(body[-CRC_BYTES:], "little"):
+            return Bad(BAD_CRC, n)
+        return Short(body[0], bytes(body[1:-CRC_BYTES]))
     if n < OVERHEAD:
         return Bad(BAD_FRAMING, n)
     if n > max_payload + OVERHEAD:
@@ -130,8 +158,8 @@ class Deframer:
         self.synced = False  # seen an END since start (bytes before it are line noise)
         self.discarded = 0  # bytes dropped outside frames (noise before the first END)
 
-    def feed(self, data: bytes) -> list[Frame | Bad]:
-        out: list[Frame | Bad] = []
+    def feed(self, data: bytes) -> list[Frame | Short | Bad]:
+        out: list[Frame | Short | Bad] = []
         if not data:
             return out
         buf = self.buf
