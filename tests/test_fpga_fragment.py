@@ -308,6 +308,8 @@ def test_llama_tiny_verify_passes_over_a_byte_corrupting_line(tmp_path):
     assert rep["target_stats"]["emulator"]["faults"] == BYTE_FAULTS
     assert link["crc_errors"] > 0 and link["retries"] > 0 and link["naks"] > 0
     assert link["fragment_budget"]["min"] < 256 < link["fragment_budget"]["max"]  # the budget adapted to the line
+    assert link["cells_up"] > 0 and link["cells_down"] > 0 and 16 <= link["cell_up"] <= 256  # bulk went as short-frame streams
+    assert rep["target_stats"]["load"]["reloads"] == {**rep["target_stats"]["load"]["reloads"], "full": 1, "warm": 2, "mismatch": 0}
     checks = {c["name"]: c["passed"] for c in rep["checks"]}
     assert checks["bit_identical_to_sim"] and checks["free_running_tokens"] and checks["teacher_forced_top1"]
     lock = rep["target_stats"]["lockstep"]

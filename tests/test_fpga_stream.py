@@ -192,3 +192,33 @@ def test_load_and_read_back_bit_exactly_through_byte_faults(faults):
         if down:  # replies were damaged and read back as streamed cells
             assert link["crc_errors"] + link["framing_errors"] > 0 and link["cells_down"] > 0 and 16 <= link["cell_down"] <= 4096
         assert t.status()["state"] == "loaded"
+
+
+def test_cell_size_follows_the_measured_byte_survival_hand_computed():
+    """k q^(k + h) (data per frame sent) peaks at k = -1/ln q: 1% / 1% / 1% bytes damaged -> q ~ 0.97 -> k ~ 33 -> 32."""
+    import math
+
+    t = FpgaTarget(port="loop://", progress=False)  # not opened: only the estimator is used
+    assert t._cell("up") == 1 << 15  # no estimate yet: the budget (64 KiB), capped at 32 KiB cells
+    t._lnq["up"] = math.log(0.97)
+    assert t._cell("up") == 32
+    t._lnq["up"] = math.log(0.999)  # 0.1% damaged: ~1 KiB frames
+    assert t._cell("up") == 1024
+    t._lnq["up"] = None
+    t._learn("up", delivered=0, sent=10, wire_bytes=1000 + S.SHORT_OVERHEAD)  # nothing of 10 frames of 1000 B got through
+    assert t._cell("up") <= 512
+    t._lnq["down"] = None
+    t._learn("down", delivered=int(1000 * math.exp(-1)), sent=1000, wire_bytes=44)  # 37% of 44-byte frames: ln q = -1/44
+    assert t._cell("down") == 32 and t.link["cell_down"] == 32
+
+
+@pytest.mark.slow
+def test_a_board_reset_during_a_noisy_load_is_a_link_failure_naming_the_reset():
+    prog = synthetic_program(256 << 10, "fpga-small", seed=3)
+    with FpgaTarget(device="fpga-small", faults="byte_flip=0.01,byte_drop=0.005,reset_after=4000,seed=6", progress=False) as t:
+        from nhil.errors import LinkError
+
+        with pytest.raises(LinkError, match="board reset detected"):
+            t.load(prog)
+        with pytest.raises(LinkError, match="board reset detected"):  # and the session stays refused
+            t.status()

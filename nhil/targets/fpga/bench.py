@@ -115,6 +115,9 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
         "naks": link["naks"],
         "timeouts": link["timeouts"],
         "fragment_budget_min": t.budget_min_seen,
+        "cell_up": t.link["cell_up"],
+        "cell_down": t.link["cell_down"],
+        "short_frames": link["short_tx"],
         "verified": ok,
     }
 
@@ -128,7 +131,7 @@ def goodput_benchmark(nbytes: int = 128 << 10, device: str = "fpga-small", fault
     return link_benchmark(nbytes, device=device, faults=faults)
 
 
-def bench_rows(clean_bytes: int = 64 << 20, noisy_bytes: int = 64 << 10) -> list[tuple[str, str, str, str]]:
+def bench_rows(clean_bytes: int = 64 << 20, noisy_bytes: int = 1 << 20) -> list[tuple[str, str, str, str]]:
     """Rows (stage, value, ratio, note) for ``nhil bench``: clean-link throughput vs raw pty, efficiency, and
     goodput with 1% of the wire bytes corrupted + 1% dropped + 1% duplicated, and with 1% / 0.2% / 0.2%."""
     b = link_benchmark(clean_bytes)
@@ -139,7 +142,7 @@ def bench_rows(clean_bytes: int = 64 << 20, noisy_bytes: int = 64 << 10) -> list
     for faults, what, n in ((BENCH_FAULTS, "1% corrupted + 1% dropped + 1% duplicated", noisy_bytes), (BENCH_FAULTS_LIGHT, "1% corrupted + 0.2% dropped + 0.2% duplicated", 2 * noisy_bytes)):
         g = goodput_benchmark(n, faults=faults)
         rows.append((f"fpga link: goodput, {n >> 10} KiB, bytes {what}", f"{g['link_kBps']:.1f} kB/s", f"{g['link_kBps'] / b['link_kBps']:.5f}",
-                     f"x clean link; reads {g['readback_kBps']:.1f} kB/s; {g['retries']} retries, {g['crc_errors']} CRC errors, fragments down to {g['fragment_budget_min']} B"
+                     f"x clean link; reads {g['readback_kBps']:.1f} kB/s; {g['retries']} retries, {g['crc_errors']} CRC errors, short-frame cells {g['cell_up']} B up / {g['cell_down']} B down"
                      + ("" if g["verified"] else "; READBACK MISMATCH")))
     return rows
 

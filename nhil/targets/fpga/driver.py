@@ -595,6 +595,12 @@ class FpgaTarget(Target):
             expect = max(0, expect - 1)
             deadline = min(deadline, time.monotonic() + 0.002 + expect * per_frame)
 
+    def _check_alive(self, stalls: int) -> None:
+        """After 2, 4, 8 ... bursts in a row without progress, ask STATUS: a board that was reset drops short
+        frames silently (no session), and only a regular frame shows its new nonce (then ``LinkError``)."""
+        if stalls >= 2 and stalls & (stalls - 1) == 0:
+            self.status()
+
     def _lost(self, name: str, what: str):
         """The board answered a short query with 'no such message / reply': find out why, then raise."""
         self.status()  # raises 'board reset detected' when the nonce changed
@@ -695,6 +701,7 @@ class FpgaTarget(Target):
             pend = [p for p in pend if p[0] not in done]
             self.swin = min(SWIN_MAX, self.swin * 2) if done else max(SWIN_MIN, self.swin // 2)
             stalls = 0 if done else stalls + 1
+            self._check_alive(stalls)
             if stalls >= self.max_retries:
                 raise LinkError(f"{name}: no piece of [{lo}, {hi}) of {total} got through in {stalls} bursts; link: {self._brief()}")
 
@@ -844,6 +851,7 @@ class FpgaTarget(Target):
                 miss = [p for p in miss if p[0] not in got]
                 self.swin = min(SWIN_MAX, self.swin * 2) if got else max(SWIN_MIN, self.swin // 2)
                 stalls = 0 if got else stalls + 1
+                self._check_alive(stalls)
                 if stalls >= self.max_retries:
                     raise LinkError(f"{name}: reading a {total}-byte reply made no progress in {stalls} bursts; link: {self._brief()}")
             if crc32(buf) == crc:
@@ -887,6 +895,7 @@ class FpgaTarget(Target):
         crc = 0
         nbytes = nwrites = 0
         show = self.progress if self.progress is not None else (total > (8 << 20) and sys.stderr.isatty())
+        done, next_note = 0, t0 + 30.0
         bar = None
         if show:
             from rich.console import Console
@@ -912,8 +921,14 @@ class FpgaTarget(Target):
                         crc = zlib.crc32(pl, crc)
                         nbytes += len(pl)
                         nwrites += 1
+                    done += seg.size * 2
                     if bar is not None:
                         bar.update(task, advance=seg.size * 2)
+                    elif total > (64 << 20) and time.monotonic() > next_note:  # no terminal: a line every 30 s
+                        el = time.monotonic() - t0
+                        print(f"[nhil] load -> fpga: {done / 1e6:.0f} of {total / 1e6:.0f} MB in {el:.0f} s ({done / el / 1e3:.0f} kB/s of image; "
+                              f"{self.link['retries']} retries, {self.link['crc_errors']} CRC errors)", file=sys.stderr, flush=True)
+                        next_note = time.monotonic() + 30.0
         finally:
             if bar is not None:
                 bar.stop()
