@@ -27,8 +27,8 @@ from nhil.targets.fpga import FpgaTarget, link_benchmark
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.emulator import Board
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
-from nhil.targets.fpga.frame import (BAD_CRC, BAD_OVERSIZE, END, SHORT_TYPES, Bad, Deframer, Frame, Short, crc32, decode_body, encode_body, encode_frame,
-                                     encode_short, escape, unescape)
+from nhil.targets.fpga.frame import (BAD_OVERSIZE, END, SHORT_TYPES, Bad, Deframer, Frame, Short, crc32, decode_body, encode_body, encode_frame,
+                                     escape, unescape)
 from nhil.targets.sim import SimTarget
 
 pytestmark = pytest.mark.fpga

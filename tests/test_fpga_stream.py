@@ -19,8 +19,8 @@ from nhil.targets.fpga import FpgaTarget
 from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga import stream as S
 from nhil.targets.fpga.bench import synthetic_program
-from nhil.targets.fpga.emulator import Board
-from nhil.targets.fpga.frame import END, SHORT_TYPES, Bad, Deframer, Frame, Short, crc32, encode_frame, encode_short
+from nhil.targets.fpga.frame import END, SHORT_TYPES, Deframer, Frame, Short, crc32, encode_frame, encode_short
+from test_fpga import Wire as _Wire
 
 pytestmark = pytest.mark.fpga
 
@@ -87,21 +87,8 @@ def test_malformed_short_fields_are_refused(typ, body):
 
 
 # ---------------------------------------------------------------- the board's side (in process)
-class Wire:
-    def __init__(self):
-        self.b = Board(DEV, max_payload=4096)
-        self.d = Deframer(1 << 20)
-        self.seq = 0
-        self.nonce = 0
-
-    def raw(self, data: bytes) -> list:
-        out = []
-        self.b.on_bytes(data, lambda w: out.extend(self.d.feed(w)))
-        return out
-
-    def req(self, t, payload=b""):
-        self.seq += 1
-        return self.raw(encode_frame(t, 0, self.seq, self.nonce, payload))
+class Wire(_Wire):
+    """The in-process host stub of test_fpga.py, plus short-frame bursts."""
 
     def short(self, *wires):
         return self.raw(bytes([END]) + b"".join(wires))

@@ -466,6 +466,7 @@ class FpgaTarget(Target):
             t_sent = time.monotonic()
             deadline = t_sent + backoff * self._rto(copies * (len(frame) + min(reply_size, self.budget)) + 64)
             accepted = False
+            t_acc = run_deadline = poll = 0.0  # set when ACCEPTED arrives
             bad = 0
             while True:
                 ev = self._recv(deadline)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 
-import numpy as np
 
 from nhil.targets.fpga.frame import crc32
 
