@@ -55,10 +55,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(NHIL) bench
 
-# nightly: every expectations.yaml row (models x targets x quants) as a pytest-xdist case,
-# then the bring-up checklist from the latest sweep
+# nightly: every expectations.yaml row (models x targets x quants) as a pytest-xdist case, and the real
+# Llama over the emulated serial link with 1% corrupted + 1% dropped + 1% duplicated bytes
 nightly: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) -q -m nightly -o addopts="" --junitxml=runs/nightly-junit.xml tests/test_matrix.py
+	$(PY) -m pytest -n $(JOBS) -q -m nightly -o addopts="" --junitxml=runs/nightly-junit.xml tests/test_matrix.py tests/test_fpga_stream.py
 
 sweep: $(STAMP)
 	$(NHIL) sweep $(if $(NIGHTLY),--nightly)

@@ -550,14 +550,18 @@ class FpgaTarget(Target):
 
     def _sburst(self, frames: list[bytes], back: int, name: str, on_short, answers: int = 0) -> None:
         """Write short ``frames`` back to back (after one END), then ``PING_COPIES`` S_PINGs, and hand every other
-        short frame received to ``on_short(Short)`` until the first S_PONG (the board answers in order, so
-        everything it sent for the burst came before), a grace after the latest arrival for the rest of the
-        ``answers`` frames expected, or the reply timeout (the board's time per frame, the wire time of the bytes
-        sent and the ``back`` bytes expected at the baud rate). Never raises for lost frames: the caller sends
-        again what is missing.
+        short frame received to ``on_short(Short) -> bool`` (True: it answers this burst) until the first S_PONG
+        (the board answers in order, so everything it sent for the burst came before), a grace after the latest
+        answer for the rest of the ``answers`` frames expected, or the reply timeout (the board's time per frame,
+        the wire time of the bytes sent and the ``back`` bytes expected at the baud rate). Only answers to this
+        burst shorten the wait: the spare copies of the previous burst's answers arrive now too.
+
+        After a timeout the board may still be working through the burst: before returning, S_PINGs go out again
+        and, if they too go unanswered, a regular STATUS (answered in order, with retries), so the next burst
+        never queues behind this one. Never raises for lost frames: the caller sends again what is missing.
 
         Raises:
-            LinkError: the link is closed, or a regular frame shows the board was reset.
+            LinkError: the link is closed, STATUS got no reply, or the board was reset.
         """
         if self.ser is None:
             raise LinkError("the fpga target is not open")
@@ -571,14 +575,28 @@ class FpgaTarget(Target):
         self.link["frames_tx"] += len(frames) - 1
         self.link["short_tx"] += len(frames)
         t0 = time.monotonic()
-        deadline = t0 + self._rto(len(wire) + back) + PER_FRAME_S * len(frames)
+        wait = self._rto(len(wire) + back) + PER_FRAME_S * len(frames)
+        deadline = t0 + wait
         expect = answers + PING_COPIES
         per_frame = PER_FRAME_S + 10 * (back / expect + 8) / self.baud
+        synced = True
         while True:
             ev = self._recv(deadline)
             if ev is None:
-                self.link["timeouts"] += 1
-                return
+                if synced:
+                    self.link["timeouts"] += 1
+                if not synced:  # the catch-up ping went unanswered too: a regular STATUS, answered in order once the
+                    self.status()  # board is through the burst (and raising 'board reset detected' if it was reset)
+                    return
+                # catch up before the next burst: a fresh ping, answered once the board is through this burst
+                self._qid = (self._qid + 1) & 0xFFFF
+                ping = self._qid
+                self._write(_END_B + S.s_ping(ping) * PING_COPIES, 0)
+                self.link["short_tx"] += PING_COPIES
+                wait = min(2 * wait, 2.0)
+                deadline = time.monotonic() + wait
+                synced = False
+                continue
             if isinstance(ev, Bad):
                 continue
             if isinstance(ev, Frame):  # a late regular reply: only a changed nonce matters
@@ -592,9 +610,9 @@ class FpgaTarget(Target):
                 if ev.body == ping.to_bytes(2, "little"):  # (no RTT sample: a burst's time is mostly the board's work)
                     return
                 continue
-            on_short(ev)
-            expect = max(0, expect - 1)
-            deadline = min(deadline, time.monotonic() + 0.002 + expect * per_frame)
+            if on_short(ev) and synced:
+                expect = max(0, expect - 1)
+                deadline = min(deadline, time.monotonic() + 0.002 + expect * per_frame)
 
     def _check_alive(self, stalls: int) -> None:
         """After 2, 4, 8 ... bursts in a row without progress, ask STATUS: a board that was reset drops short
@@ -662,13 +680,18 @@ class FpgaTarget(Target):
                 frames.extend([S.s_query(tag, self._qid, off, cell.bit_length() - 1, n)] * QUERY_COPIES)
             answers: dict[int, S.Bitmap] = {}
 
+            mine = set(qids)
+
             def on_short(ev):
                 if ev.type == S.S_BITMAP:
                     try:
                         b = S.parse(ev.type, ev.body)
                     except S.ShortError:
-                        return
-                    answers.setdefault(b.qid, b)
+                        return False
+                    if b.qid in mine:
+                        answers.setdefault(b.qid, b)
+                        return True
+                return False
 
             self._sburst(frames, 20 * QUERY_COPIES * len(queries), name, on_short, QUERY_COPIES * len(queries))
             held: set[tuple[int, int]] = set()  # (offset, cell size) of cells shown held
@@ -818,20 +841,24 @@ class FpgaTarget(Target):
                 dones: dict[int, S.Done] = {}
                 ends = dict(burst)
 
+                mine = set(qids)
+
                 def on_short(ev):
                     try:
                         x = S.parse(ev.type, ev.body)
                     except S.ShortError:
-                        return
+                        return False
                     if ev.type == S.S_REPLY:
                         e = ends.get(x.offset)
                         if x.tag == tag and e is not None and len(x.data) == e - x.offset:
                             buf[x.offset : e] = x.data
                             got[x.offset] = e
-                        else:
-                            self.link["stale_replies"] += 1
-                    elif ev.type == S.S_DONE:
+                            return True
+                        self.link["stale_replies"] += 1
+                    elif ev.type == S.S_DONE and x.qid in mine:
                         dones.setdefault(x.qid, x)
+                        return True
+                    return False
 
                 self._sburst(frames, sum(e - a + S.SHORT_OVERHEAD for a, e in burst) + 8 * len(frames), f"{name} (S_FETCH)", on_short, len(burst) + len(frames))
                 self.link["fetches"] += len(qids)

@@ -227,6 +227,7 @@ class Board:
         self.load_writes = 0
         self.counters = {"frames_ok": 0, "frames_bad": 0, "duplicates": 0, "errors": 0, "last_error": 0, "short_ok": 0, "short_dropped": 0}
         self._last_fetch = -1  # qid of the last S_FETCH served (its copies get S_DONE only)
+        self._bitmap: tuple = (None, b"")  # (reassembly version, query fields) -> bits of the last S_QUERY answered
         self.streaming = False  # the last intact frame was a short one: damaged runs get no NAK (section 12)
 
     def _log(self, msg: str) -> None:
@@ -331,8 +332,11 @@ class Board:
             if not r.open or S.tag_of(r.crc) != x.tag:
                 send(_END_B + S.s_bitmap(x.qid, S.ST_GONE, b""))
                 return
-            flags = [r.held(a, min(a + cell, r.total)) if a < r.total else False for a in range(x.offset, x.offset + x.ncells * cell, cell)]
-            send(_END_B + S.s_bitmap(x.qid, S.ST_OK, S.bits_of(flags)))
+            key = (r.version, x.offset, x.log2cell, x.ncells)  # the host sends each query in copies: answer them alike
+            if key != self._bitmap[0]:
+                flags = [r.held(a, min(a + cell, r.total)) if a < r.total else False for a in range(x.offset, x.offset + x.ncells * cell, cell)]
+                self._bitmap = (key, S.bits_of(flags))
+            send(_END_B + S.s_bitmap(x.qid, S.ST_OK, self._bitmap[1]))
             return
         rb = self.replies  # S_FETCH: the cells of the buffered reply the host still lacks
         if rb.type is None or S.tag_of(rb.crc) != x.tag or cell + 6 > self.max_payload:

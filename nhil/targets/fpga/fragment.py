@@ -60,6 +60,7 @@ class Reassembler:
         self.clear()
 
     def clear(self) -> None:
+        self.version = getattr(self, "version", 0) + 1  # changes with every change of state (caches key on it)
         self.open = False
         self.inner = 0
         self.total = 0
@@ -128,6 +129,7 @@ class Reassembler:
         end = offset + len(data)
         self.buf[offset:end] = data
         self.received += len(data)
+        self.version += 1
         i = bisect.bisect_right(self.ends, offset)
         left = i > 0 and self.ends[i - 1] == offset
         right = i < len(self.starts) and self.starts[i] == end
