@@ -1,7 +1,8 @@
 """``fpga`` target: the FPGA prototype over a serial link, plus a board emulator (``docs/link-protocol.md``).
 
 * ``frame``: SLIP-style framing + CRC-32 codec; ``protocol``: message types and payloads;
-* ``fragment``: message reassembly (device) and fragment planning (host) for noisy lines;
+* ``fragment``: message reassembly and the buffered reply (device side) for noisy lines;
+* ``stream``: short frames (headerless bulk data, bitmap queries, streamed reply cells, pings);
 * ``driver``: :class:`FpgaTarget` (host side, any pyserial URL, starts an emulator when no port);
 * ``emulator``: the device side (``Board``) executing with the functional simulator (or RTL);
 * ``faults``: fault injection; ``cli``: ``nhil fpga-emu``; ``bench``: :func:`link_benchmark`.

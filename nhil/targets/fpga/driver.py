@@ -4,14 +4,16 @@ Stop-and-wait request/reply over any pyserial URL (``/dev/ttyUSB0``, ``rfc2217:/
 ``socket://host:port``, ``loop://``), protocol v2 in ``docs/link-protocol.md``. Every frame
 is retransmitted (same seq, bounded retries, exponential backoff of the reply timeout)
 until its reply arrives; the board answers a repeated seq from its reply cache, so nothing
-executes twice. Requests over 64 bytes travel as fragmented messages (MSG_BEGIN / MSG_DATA /
-MSG_ZERO) and large replies are fetched in pieces (REPLY_HEAD / FETCH); the fragments between
-MSG_BEGIN and the last one, and the FETCHes, go in selective-repeat windows of up to 512 frames
-closed by MSG_QUERYs that list the missing ranges, and only what is missing is sent again. The
-fragment size and the window adapt to the line, so a line that corrupts 1% of its bytes still
-carries data at a good fraction of what its frames allow. A changed board session nonce, or an
-``E_SESSION`` error, means the board was reset mid-session: that ends the run with
-``LinkError`` (state is gone), never a retry.
+executes twice. Requests over 64 bytes travel as fragmented messages: MSG_BEGIN and the last
+byte stop-and-wait, everything between as bursts of headerless short frames (section 12:
+S_DATA / S_ZERO, closed by S_QUERY bitmaps and S_PINGs) of which only the pieces not shown
+held are sent again; large replies are buffered on the board (REPLY_HEAD) and read by S_FETCH
+bursts the same way. The piece size follows the per-byte survival measured on each burst
+(``k = -1 / ln q``), so a line that corrupts, drops and duplicates 1% of its bytes each still
+carries a few hundred kB/s over the emulator's pty. Later loads of the same program keep the
+weight rows the board still holds, checked by CRC (:meth:`FpgaTarget.reload`, section 4a).
+A changed board session nonce, or an ``E_SESSION`` error, means the board was reset
+mid-session: that ends the run with ``LinkError`` (state is gone), never a retry.
 """
 
 from __future__ import annotations
@@ -533,7 +535,7 @@ class FpgaTarget(Target):
         frame sent) peaks at ``k = -1 / ln q``; before any estimate, the fragment budget."""
         lnq = self._lnq[direction]
         k = float(self.budget) if lnq is None else (-1.0 / lnq if lnq < -1e-9 else float(MAX_CELL))
-        k = max(float(MIN_FRAGMENT), min(k, float(MAX_CELL), float(self.max_payload - 16)))
+        k = max(float(MIN_FRAGMENT), min(k, float(MAX_CELL), float(self.max_payload - 16), float(self.budget_max)))
         return 1 << max(4, int(round(math.log2(k))))
 
     def _learn(self, direction: str, delivered: int, sent: int, wire_bytes: float) -> None:
@@ -916,10 +918,6 @@ class FpgaTarget(Target):
         total = sum(int(img.data.size) * 2 for img in imgs)
         t0 = time.monotonic()
         self._transact(P.LOAD_PROGRAM, P.pack_load_program(len(imgs)), P.ACK)
-        # on a line known to be noisy (messages travel as short-frame streams) one message per max_message bytes
-        # saves the stop-and-wait begin and end of each 64 KiB chunk
-        chunk_bytes = self.chunk_bytes if self._lnq["up"] is None and self.budget >= self.chunk_bytes else self.max_message
-        chunk = max(1, min(chunk_bytes, self.max_message - 8, S.MAX_OFFSET) // 2)
         crc = 0
         nbytes = nwrites = 0
         show = self.progress if self.progress is not None else (total > (8 << 20) and sys.stderr.isatty())
@@ -941,6 +939,10 @@ class FpgaTarget(Target):
                     raise LoadError(f"bank image row {img.row} has {flat.size} elements, device rows hold {d.channels * d.banks * d.cols}")
                 if flat.any():
                     kept[img.row] = flat
+                # once the line is known to be noisy (messages travel as short-frame streams), one message per
+                # max_message bytes saves the stop-and-wait begin and end of each 64 KiB chunk (decided per row)
+                noisy = self._lnq["up"] is not None or self.budget < self.chunk_bytes
+                chunk = max(1, min(self.max_message if noisy else self.chunk_bytes, self.max_message - 8, S.MAX_OFFSET) // 2)
                 for off in range(0, flat.size, chunk):
                     seg = flat[off : off + chunk]
                     if seg.any():  # the board's memory is zero after LOAD_PROGRAM
