@@ -131,14 +131,34 @@ def goodput_benchmark(nbytes: int = 128 << 10, device: str = "fpga-small", fault
     return link_benchmark(nbytes, device=device, faults=faults)
 
 
+def reload_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str = "") -> dict:
+    """Seconds of a full load of ``nbytes`` of random bank rows and of a warm reload of the same program
+    (RESET_KEEP_ROWS + MEM_CRC, docs/link-protocol.md section 4a) over a pty, in one session."""
+    from nhil.targets.fpga.driver import FpgaTarget
+
+    prog = synthetic_program(nbytes, device)
+    with FpgaTarget(device=device, faults=faults, progress=False) as t:
+        t0 = time.perf_counter()
+        t.load(prog)
+        full = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        t.reload(prog)
+        warm = time.perf_counter() - t0
+        ok = t.reloads["warm"] == 1 and t.reloads["mismatch"] == 0
+    return {"nbytes": nbytes, "full_s": round(full, 3), "warm_s": round(warm, 4), "verified": ok}
+
+
 def bench_rows(clean_bytes: int = 64 << 20, noisy_bytes: int = 1 << 20) -> list[tuple[str, str, str, str]]:
-    """Rows (stage, value, ratio, note) for ``nhil bench``: clean-link throughput vs raw pty, efficiency, and
-    goodput with 1% of the wire bytes corrupted + 1% dropped + 1% duplicated, and with 1% / 0.2% / 0.2%."""
+    """Rows (stage, value, ratio, note) for ``nhil bench``: clean-link throughput vs raw pty, efficiency, warm reload
+    vs full load, and goodput with 1% of the wire bytes corrupted + 1% dropped + 1% duplicated, and with 1% / 0.2% / 0.2%."""
     b = link_benchmark(clean_bytes)
     rows = [
         (f"fpga link: bulk write {clean_bytes >> 20} MiB over a pty", f"{b['link_MBps']:.1f} MB/s", f"{b['link_vs_raw']:.2f}", f"x raw pty write ({b['raw_pty_MBps']:.1f} MB/s)"),
         ("fpga link: protocol efficiency", f"{b['wire_efficiency']:.4f}", "", "payload bytes / wire bytes"),
     ]
+    w = reload_benchmark(clean_bytes)
+    rows.append((f"fpga link: warm reload of a {clean_bytes >> 20} MiB program", f"{w['warm_s']:.3f} s", f"{w['warm_s'] / w['full_s']:.4f}",
+                 f"x full load ({w['full_s']:.2f} s); rows kept after MEM_CRC" + ("" if w["verified"] else "; NOT WARM")))
     for faults, what, n in ((BENCH_FAULTS, "1% corrupted + 1% dropped + 1% duplicated", noisy_bytes), (BENCH_FAULTS_LIGHT, "1% corrupted + 0.2% dropped + 0.2% duplicated", 2 * noisy_bytes)):
         g = goodput_benchmark(n, faults=faults)
         rows.append((f"fpga link: goodput, {n >> 10} KiB, bytes {what}", f"{g['link_kBps']:.1f} kB/s", f"{g['link_kBps'] / b['link_kBps']:.5f}",
