@@ -216,7 +216,7 @@ def test_a_board_reset_during_a_noisy_load_is_a_link_failure_naming_the_reset():
 def test_real_llama_verify_passes_bit_identically_over_a_byte_corrupting_line(tmp_path):
     """Issue 4's acceptance run: SmolLM2 (268 MB of weights) through 1% corrupted + 1% dropped + 1% duplicated
     wire bytes in both directions still matches the golden, bit-identical to the simulator at every SYNC; the
-    weights cross the line once (warm reloads for the later runs). About 15-20 min on 2 cores (nightly)."""
+    weights cross the line once (warm reloads for the later runs). Measured 25 min on 2 cores (nightly)."""
     from nhil.verify import VerifyOptions, verify
 
     faults = "byte_flip=0.01,byte_drop=0.01,byte_dup=0.01,seed=1"

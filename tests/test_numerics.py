@@ -5,7 +5,6 @@ import struct
 
 import ml_dtypes
 import numpy as np
-import pytest
 import torch
 
 from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits

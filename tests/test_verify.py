@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nhil.models.registry import ModelBundle, register
+from nhil.models.registry import register
 from nhil.verify import VerifyOptions, verify
 
 
