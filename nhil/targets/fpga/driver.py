@@ -104,9 +104,9 @@ def start_emulator(device: str, faults: str = "", rtl: bool = False, timeout: fl
     return proc, path
 
 
-def _grid_cuts(a: int, e: int, g: int) -> range:
+def _grid_cuts(a: int, e: int, g: int) -> list[int]:
     """Starts of the pieces of ``[a, e)`` cut at the multiples of ``g``."""
-    return range(a, e, g) if a % g == 0 else iter([a, *range((a // g + 1) * g, e, g)])
+    return [a, *range((a // g + 1) * g, e, g)]
 
 
 def _spans(cells: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -616,11 +616,23 @@ class FpgaTarget(Target):
                 expect = max(0, expect - 1)
                 deadline = min(deadline, time.monotonic() + 0.002 + expect * per_frame)
 
-    def _check_alive(self, stalls: int) -> None:
-        """After 2, 4, 8 ... bursts in a row without progress, ask STATUS: a board that was reset drops short
-        frames silently (no session), and only a regular frame shows its new nonce (then ``LinkError``)."""
+    def _after_burst(self, progress: bool, stalls: int, what: str) -> int:
+        """Burst size and stall count after a burst; returns the new count of bursts in a row without progress.
+
+        The burst doubles after progress (to ``SWIN_MAX``) and halves without. After 2, 4, 8 ... stalled bursts,
+        STATUS: a board that was reset drops short frames silently (no session), and only a regular frame shows
+        its new nonce.
+
+        Raises:
+            LinkError: the board was reset, or ``max_retries`` bursts in a row made no progress (``what`` says where).
+        """
+        self.swin = min(SWIN_MAX, self.swin * 2) if progress else max(SWIN_MIN, self.swin // 2)
+        stalls = 0 if progress else stalls + 1
         if stalls >= 2 and stalls & (stalls - 1) == 0:
             self.status()
+        if stalls >= self.max_retries:
+            raise LinkError(f"{what} in {stalls} bursts; link: {self._brief()}")
+        return stalls
 
     def _lost(self, name: str, what: str):
         """The board answered a short query with 'no such message / reply': find out why, then raise."""
@@ -725,11 +737,7 @@ class FpgaTarget(Target):
             self.link["cells_up"] += len(done)
             self.link["zero_bytes"] += sum(e - a for a, e, z, _ in burst if z and a in done)
             pend = [p for p in pend if p[0] not in done]
-            self.swin = min(SWIN_MAX, self.swin * 2) if done else max(SWIN_MIN, self.swin // 2)
-            stalls = 0 if done else stalls + 1
-            self._check_alive(stalls)
-            if stalls >= self.max_retries:
-                raise LinkError(f"{name}: no piece of [{lo}, {hi}) of {total} got through in {stalls} bursts; link: {self._brief()}")
+            stalls = self._after_burst(bool(done), stalls, f"{name}: no piece of [{lo}, {hi}) of {total} got through")
 
     def _transact(self, type_: int, payload: bytes, expect: int, reply_size: int = 0) -> Frame:
         """One request and its (inline or fetched) reply; payloads over DIRECT_MAX go as a fragmented message.
@@ -879,11 +887,7 @@ class FpgaTarget(Target):
                 asked_before.update(a for a, _ in burst)
                 self.link["cells_down"] += len(got)
                 miss = [p for p in miss if p[0] not in got]
-                self.swin = min(SWIN_MAX, self.swin * 2) if got else max(SWIN_MIN, self.swin // 2)
-                stalls = 0 if got else stalls + 1
-                self._check_alive(stalls)
-                if stalls >= self.max_retries:
-                    raise LinkError(f"{name}: reading a {total}-byte reply made no progress in {stalls} bursts; link: {self._brief()}")
+                stalls = self._after_burst(bool(got), stalls, f"{name}: reading a {total}-byte reply made no progress")
             if crc32(buf) == crc:
                 return Frame(rtype, head.flags, head.seq, head.nonce, bytes(buf))
             self.link["reply_crc_errors"] += 1

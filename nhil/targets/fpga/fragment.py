@@ -57,10 +57,11 @@ class Reassembler:
     def __init__(self, max_message: int, max_ranges: int = MAX_RANGES) -> None:
         self.max_message = max_message
         self.max_ranges = max_ranges
+        self.version = 0  # changes with every change of state (caches key on it)
         self.clear()
 
     def clear(self) -> None:
-        self.version = getattr(self, "version", 0) + 1  # changes with every change of state (caches key on it)
+        self.version += 1
         self.open = False
         self.inner = 0
         self.total = 0

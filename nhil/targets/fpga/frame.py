@@ -121,20 +121,15 @@ def encode_short(type_: int, body: bytes) -> bytes:
 def decode_body(body: bytes, max_payload: int) -> Frame | Short | Bad:
     """Check and parse one unescaped body."""
     n = len(body)
-    if n and body[0] in SHORT_TYPES:
-        if n < SHORT_MIN:
-            return Bad(BAD_FRAMING, n)
-        if n > max_payload + OVERHEAD:
-            return Bad(BAD_OVERSIZE, n)
-        if crc32(memoryview(body)[:-CRC_BYTES]) != int.from_bytes(body[-CRC_BYTES:], "little"):
-            return Bad(BAD_CRC, n)
-        return Short(body[0], bytes(body[1:-CRC_BYTES]))
-    if n < OVERHEAD:
+    short = n > 0 and body[0] in SHORT_TYPES
+    if n < (SHORT_MIN if short else OVERHEAD):
         return Bad(BAD_FRAMING, n)
     if n > max_payload + OVERHEAD:
         return Bad(BAD_OVERSIZE, n)
     if crc32(memoryview(body)[:-CRC_BYTES]) != int.from_bytes(body[-CRC_BYTES:], "little"):
         return Bad(BAD_CRC, n)
+    if short:
+        return Short(body[0], bytes(body[1:-CRC_BYTES]))
     t, fl, seq, nonce, length = HEADER.unpack_from(body, 0)
     if length != n - OVERHEAD:
         return Bad(BAD_LENGTH, n, t, seq, nonce)
