@@ -49,14 +49,18 @@ def compile_cmd(
     bundle: Optional[Path] = typer.Option(None, help="also write a handoff bundle folder: program, text form, golden inputs/outputs, manifest"),
     prompt: Optional[str] = typer.Option(None, help="prompt for the bundle's golden"),
     tokens: int = typer.Option(4, help="decoded tokens in the bundle's golden"),
+    quant: str = typer.Option("bf16", help="weight quantization recipe (as verify's QUANT)"),
+    passes: Optional[str] = typer.Option(None, help="comma-separated scheduling passes (default: every pass; '' = the naive baseline)"),
 ) -> None:
-    """Compile MODEL's decode step to a PIM program."""
+    """Compile MODEL's decode step to a PIM program (``nhil.compiler.pipeline``)."""
     try:
         from nhil.compile import compile_model, write_bundle
 
-        prog = compile_model(model, device, max_cache_len)
+        names = None if passes is None else [p.strip() for p in passes.split(",") if p.strip()]
+        prog = compile_model(model, device, max_cache_len, quant=quant, passes=names)
         n = prog.save(output)
-        typer.echo(f"wrote {output} ({n} bytes, {len(prog.instrs)} instructions, {len(prog.bank_images)} bank rows)")
+        typer.echo(f"wrote {output} ({n} bytes, {len(prog.instrs)} instructions, {len(prog.bank_images)} bank rows; "
+                   f"passes: {', '.join(prog.info.get('passes', [])) or 'none'})")
         if bundle:
             write_bundle(bundle, model, prog, prompt, tokens)
             typer.echo(f"wrote handoff bundle {bundle}/")

@@ -9,23 +9,24 @@ from nhil.errors import SetupError
 from nhil.isa import DEVICE_PRESETS, Program
 
 
-def compile_model(model: str, device: str = "aim-like", max_cache_len: int = 64) -> Program:
-    """Export, raise and lower MODEL's decode step for a device preset.
+def compile_model(model: str, device: str = "aim-like", max_cache_len: int = 64, quant: str = "bf16", passes=None) -> Program:
+    """Export, raise, quantize and lower MODEL's decode step for a device preset (``nhil.compiler.pipeline``).
 
+    Args:
+        passes: scheduling pass names (default: the default pipeline, every pass).
     Raises:
-        SetupError: unknown model or device preset.
+        SetupError: unknown model, device preset or pass.
         CompileError: an op cannot be raised or lowered (names op, module path, source line).
     """
-    from nhil.compiler import export_decode, raise_graph
-    from nhil.compiler.lower import lower_decode_graph
+    from nhil.compiler import pipeline
     from nhil.models import get_model
 
     if device not in DEVICE_PRESETS:
         raise SetupError(f"unknown device preset {device!r}; presets: {', '.join(DEVICE_PRESETS)}")
     bundle = get_model(model)
-    ep, _ = export_decode(bundle.model, max_cache_len)
-    raised = raise_graph(ep, "decode")
-    return lower_decode_graph(raised.gm, DEVICE_PRESETS[device], model_name=model)
+    c = pipeline.compile(bundle, DEVICE_PRESETS[device], quant, pipeline.DEFAULT_PASSES if passes is None else passes,
+                         max_cache_len=max_cache_len, model_name=model)
+    return c.program
 
 
 def write_bundle(folder: Path, model: str, program: Program, prompt: str | None, tokens: int) -> None:
@@ -59,6 +60,7 @@ def write_bundle(folder: Path, model: str, program: Program, prompt: str | None,
         "device": program.device.name,
         "isa_version": 0,
         "max_cache_len": program.info.get("max_cache_len"),
+        "passes": program.info.get("passes", []),
         "prompt_ids": ids,
         "golden_tokens": t["tokens"].tolist(),
         "files": files,

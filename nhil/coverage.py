@@ -7,7 +7,7 @@
 2. raising of both in non-strict mode (``raise_graph(strict=False)``; when nothing is left
    unraised the bit-exactness check runs too) -> the ``nhil::*`` primitives and the ATen
    ops left unraised (root causes, not their downstream "input not raised" entries);
-3. lowering of the decode graph to a PIM program (``lower_decode_graph``);
+3. lowering of the decode graph to a PIM program (``nhil.compiler.pipeline.lower``: the default pipeline);
 4. ``verify`` on the ``sim`` target (8 tokens, fp32 eager golden, teacher-forced +
    free-running greedy), recording outcome, top-1 agreement and worst SQNR.
 
@@ -90,8 +90,7 @@ def coverage_row(name: str, targets: tuple[str, ...] = ("sim",), tokens: int = 8
     """Measure one registered model (see the module docstring)."""
     import torch
 
-    from nhil.compiler import export_decode, export_prefill
-    from nhil.compiler.lower import lower_decode_graph
+    from nhil.compiler import export_decode, export_prefill, pipeline
     from nhil.isa import DEVICE_PRESETS
     from nhil.models import get_model
 
@@ -118,7 +117,7 @@ def coverage_row(name: str, targets: tuple[str, ...] = ("sim",), tokens: int = 8
         row.unraised = _unraised_ops(raised)
     if raised is not None and raised.gm is not None and not raised.unraised:
         try:
-            lower_decode_graph(raised.gm, DEVICE_PRESETS["aim-like"], model_name=name)
+            pipeline.lower(raised, DEVICE_PRESETS["aim-like"], model_name=name)  # the default pipeline's lowering + passes
             row.lower = "ok"
         except Exception as e:  # noqa: BLE001
             row.lower = f"FAIL: {_short(e)}"

@@ -64,9 +64,8 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
     Raises:
         SetupError: neither ``sim`` nor ``reference``.
     """
-    from nhil.compiler import export_decode, raise_graph
-    from nhil.compiler.lower import lower_decode_graph
-    from nhil.compiler.quantize import RECIPES, build_plan
+    from nhil.compiler import pipeline
+    from nhil.compiler.quantize import RECIPES
     from nhil.golden import metrics
     from nhil.golden.generate import generate_golden
     from nhil.isa import DEVICE_PRESETS
@@ -90,8 +89,8 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
         prompt_text = [",".join(map(str, prompt_ids[0]))]
     goldens = [generate_golden(bundle, ids, tokens, prompt_text=txt)[0] for ids, txt in zip(prompt_ids, prompt_text)]
     max_len = int(math.ceil(max(len(p) + tokens for p in prompt_ids) / 16) * 16)
-    ep, _ = export_decode(bundle.model, max_len)
-    gm = raise_graph(ep, "decode").gm
+    _, raised = pipeline.export_and_raise(bundle, max_len)
+    gm = raised.gm
     device = DEVICE_PRESETS["aim-like"]
     cfg = bundle.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -106,7 +105,7 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
         if rec.split(":")[0] == "native" and not src.endswith(".gguf"):
             _log(f"{rec}: skipped ({model} was not loaded from a GGUF file)")
             continue
-        plan = build_plan(rec, gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model)
+        plan = pipeline.quant_plan(rec, raised, bundle)
         ref_cols, ref_logits = _reference_columns(QuantReference(gm, plan, mode="fake-quant"), prompt_ids, goldens) if reference else ({}, None)
         if not sim:
             if rec not in previous:
@@ -116,7 +115,7 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
             _log(f"{rec}: format-only reference top1 {ref_cols['ref_top1_agreement']:.3f} SQNR {ref_cols['ref_logits_sqnr_db']:.1f} dB")
             write_report(_assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0, sim_from), output)
             continue
-        prog = lower_decode_graph(gm, device, model_name=model, quant=plan)
+        prog, _ = pipeline.lower(raised, device, plan=plan, model_name=model)
         qinfo = prog.info.get("quant", {})
         kls, top1, match, all_ref, all_err, worst_step = [], [], [], [], [], math.inf
         layer_sqnr, layer_cos = math.inf, 1.0

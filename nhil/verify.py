@@ -2,8 +2,17 @@
 
 Stages (each timed; the report is rewritten after every stage so a crash or a hang
 still leaves one): load model -> golden (reuse or generate) -> export -> raise ->
-lower -> encode/decode ``.pimb`` -> load on target -> teacher-forced run -> free-running
-greedy run -> compare -> report. The outcome is one of ``docs/outcomes.md``:
+[quantize] -> lower (``nhil.compiler.pipeline``: one compile for every caller) ->
+encode/decode ``.pimb`` -> load on target -> teacher-forced run -> free-running greedy run
+-> reference (the device-numerics reference, teacher-forced) -> compare -> report.
+
+Two tiers judge every run: the **tight tier** (``nhil.golden.tight``) requires every logit
+and every captured activation to be bit-identical to the device-numerics reference
+(``nhil.golden.quant_reference``), for bf16 and every quant recipe: "the target does what
+the compiler meant"; the **accuracy tier** (``nhil.golden.accuracy``) compares with the
+fp32 eager golden under the tolerance profile, telling near ties (top-1 margins and MoE
+expert selections within the allowed noise) from failures: "the format / numerics keep
+the model's accuracy". The outcome is one of ``docs/outcomes.md``:
 COMPILE_FAIL, LOAD_FAIL, LINK_FAIL, RUN_FAIL, CRASH, MISMATCH, PASS.
 """
 
@@ -67,6 +76,13 @@ class VerifyOptions:
     quant: str = "bf16"  # weight quantization recipe [QUANT] (nhil.compiler.quantize), e.g. native, mxfp4, int4-g128:lm_head=bf16
     stage_timeout_scale: float = float(os.environ.get("NHIL_STAGE_TIMEOUT_SCALE", "1"))
     manifest: Path | None = None
+    passes: tuple = ()  # scheduling passes (nhil.compiler.pipeline); () here = the default pipeline, set in __post_init__
+
+    def __post_init__(self) -> None:
+        if not self.passes:
+            from nhil.compiler.pipeline import DEFAULT_PASSES
+
+            self.passes = DEFAULT_PASSES
 
     def reproducer(self) -> str:
         parts = [f"make verify MODEL={self.model} TARGET={self.target} TOKENS={self.tokens} SEED={self.seed}"]
@@ -241,73 +257,42 @@ def _finish(run: "_Run") -> None:
     write_junit(run.dir / "junit.xml", [run.report])
 
 
-def _top_differences(ref: np.ndarray, got: np.ndarray, k: int = 5) -> list[dict]:
-    """The ``k`` largest |ref - got| elements of a [positions, hidden] activation (position, channel, values)."""
-    diff = np.abs(ref.astype(np.float64) - got.astype(np.float64))
-    flat = np.argsort(diff, axis=None)[::-1][:k]
-    out = []
-    for i in flat:
-        p, c = np.unravel_index(i, diff.shape)
-        out.append({"position": int(p), "channel": int(c), "golden": float(ref[p, c]), "target": float(got[p, c]), "abs_diff": float(diff[p, c])})
-    return out
+def _tight_reference(run: "_Run", compiled, prompt_ids: list[int], golden_tokens: list[int], has_moe: bool):
+    """The device-numerics reference, teacher-forced on the same inputs (the tight tier's other side)."""
+    from nhil.golden.quant_reference import QuantReference
+    from nhil.runtime import run_teacher_forced
+
+    with run.stage("reference"):
+        ref = QuantReference(compiled.gm, compiled.plan)
+        out = run_teacher_forced(ref, prompt_ids, golden_tokens)
+    return out, (ref.router_logits if has_moe else None)
 
 
-def _token_divergence(step: int, ref_logits: np.ndarray, test_logits: np.ndarray, ref_tok: int, test_tok: int, k: int = 5) -> dict:
-    """At the first free-running token that differs (same prefix on both sides): is each side's
-    token in the other's top-k, and the two logit gaps (a near-tie vs a real error)."""
-    ref_top = [int(t) for t in np.argsort(ref_logits)[::-1][:k]]
-    test_top = [int(t) for t in np.argsort(test_logits)[::-1][:k]]
-    return {
-        "step": step,
-        "golden_token": ref_tok,
-        "target_token": test_tok,
-        f"target_token_in_golden_top{k}": test_tok in ref_top,
-        f"golden_token_in_target_top{k}": ref_tok in test_top,
-        "golden_logit_gap": float(ref_logits[ref_tok] - ref_logits[test_tok]),
-        "target_logit_gap": float(test_logits[test_tok] - test_logits[ref_tok]),
-    }
+def _routing(run: "_Run", compiled, prompt_ids, golden_tokens, device_router, thresholds) -> list[dict]:
+    """Expert selections that differ from the golden's (fp32 graph) and whether each is a near tie (``nhil.golden.routing``)."""
+    from nhil.golden.routing import RouterProbe, routing_differences
+    from nhil.runtime import run_teacher_forced
+
+    with run.stage("routing"):
+        probe = RouterProbe(compiled.gm)
+        run_teacher_forced(probe, prompt_ids, golden_tokens)
+        floor = float(((thresholds.get("hidden") or {}).get("sqnr_db") or {}).get("min", 30.0))
+        return routing_differences(compiled.gm, probe.router_logits, device_router, len(prompt_ids), floor)
 
 
-def _effective_thresholds(profile: str, overrides: dict, report: dict) -> dict:
-    """The profile's threshold table with the manifest row's overrides applied; records the
-    overrides in ``report["tolerance_overrides"]`` (metric, bound, value, reason, and the
-    profile value/reason they replaced).
-
-    Raises:
-        SetupError: an override this profile refuses (unknown metric, wrong bound, no reason).
-    """
-    from nhil.errors import SetupError
-    from nhil.golden.tolerances import apply_overrides
-
-    try:
-        table = apply_overrides(profile, overrides)
-    except ValueError as e:
-        raise SetupError(f"expectations manifest: {e}") from None
-    rows = []
-    for kind, metrics_ in table.items():
-        if not isinstance(metrics_, dict):
-            continue
-        for metric, th in metrics_.items():
-            ov = th.get("override") if isinstance(th, dict) else None
-            if ov:
-                b = ov["profile_bound"]
-                rows.append({"metric": f"{kind}.{metric}", "bound": b, "value": th[b], "asserted": th["asserted"], "reason": th["reason"],
-                             "profile": profile, "profile_value": ov["profile_value"], "profile_asserted": ov["profile_asserted"], "profile_reason": ov["profile_reason"]})
-    if rows:
-        report["tolerance_overrides"] = rows
-        _log("tolerance overrides from the manifest: " + "; ".join(f"{r['metric']} {r['bound']} {r['value']:g} (profile {r['profile_value']:g}): {r['reason']}" for r in rows))
-    return table
+def _layer_names(gt) -> list[str]:
+    return ["act.model.embed_tokens"] + sorted((k for k in gt if k.startswith("act.model.layers.")), key=lambda k: int(k.rsplit(".", 1)[1]))
 
 
 def _verify(run: _Run) -> None:
     import torch
 
-    from nhil.compiler import export_decode, raise_graph
-    from nhil.compiler.lower import lower_decode_graph
-    from nhil.golden import metrics
+    from nhil.compiler import pipeline
+    from nhil.golden import accuracy, metrics
     from nhil.golden.generate import generate_golden
+    from nhil.golden.routing import moe_nodes
     from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
-    from nhil.golden.tolerances import check, failing
+    from nhil.golden.tight import compare_bits
     from nhil.isa import DEVICE_PRESETS, Program
     from nhil.models import get_model
     from nhil.runtime import Runner, run_greedy, run_teacher_forced
@@ -321,7 +306,7 @@ def _verify(run: _Run) -> None:
 
     overrides = expectations.tolerance_overrides(o.model, o.target, o.quant, o.manifest or expectations.DEFAULT_PATH)
     with run.stage("load_model"):
-        bundle = get_model(o.model)
+        bundle = get_model(o.model, seed=o.seed)
         prompt_ids = bundle.encode(o.prompt)
     R["prompt"] = o.prompt if o.prompt is not None else (bundle.default_prompt or ",".join(map(str, prompt_ids)))
     R["prompt_ids"] = prompt_ids
@@ -357,27 +342,25 @@ def _verify(run: _Run) -> None:
     R["device"] = dataclasses.asdict(device)
     R["max_cache_len"] = max_len
 
-    with run.stage("export"):
-        ep, example = export_decode(bundle.model, max_len)
-        R["export_nodes"] = len(ep.graph.nodes)
-    with run.stage("raise"):
-        raised = raise_graph(ep, "decode")
-        R["raised_primitives"] = dict(raised.counts)
+    compiled = pipeline.compile(bundle, device, o.quant, o.passes, max_cache_len=max_len, model_name=o.model, stage=run.stage)
+    program = compiled.program
+    R["export_nodes"] = len(compiled.exported.graph.nodes)
+    R["raised_primitives"] = dict(compiled.raised.counts)
+    R["passes"] = list(compiled.passes)
+    R["pass_log"] = [p.as_dict() for p in compiled.pass_log]
     profile = PROFILE
-    plan = None
-    if o.quant != "bf16":
-        from nhil.compiler.quantize import build_plan, tolerance_profile
+    if compiled.plan is not None:
+        from nhil.compiler.quantize import tolerance_profile
 
-        with run.stage("quantize"):
-            src = str(bundle.source)
-            plan = build_plan(o.quant, raised.gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model)
-            profile = tolerance_profile(o.quant, o.model)
-    thresholds = _effective_thresholds(profile, overrides, R)
-    with run.stage("lower"):
-        program = lower_decode_graph(raised.gm, device, model_name=o.model, quant=plan)
-    if plan is not None:
+        profile = tolerance_profile(o.quant, o.model)
+    thresholds = accuracy.effective_thresholds(profile, overrides, R, log=_log)
+    judged = thresholds.get("judged", True)
+    if compiled.plan is not None:
         qi = program.info["quant"]
         R["quant"] = {"recipe": o.quant, "profile": profile, "plan": qi["recipe"], "matrices_per_format": qi["matrices_per_format"], "weight_bytes": qi["weight_bytes"], "weight_formats": program.info["weight_formats"]}
+    R["accuracy_judged"] = bool(judged)
+    if not judged:
+        R["accuracy_not_judged"] = thresholds.get("not_judged_reason", "no measured threshold")
     with run.stage("encode"):
         blob = program.encode()
         program = Program.decode(blob, source="<encoded program>")
@@ -393,6 +376,7 @@ def _verify(run: _Run) -> None:
         "host_ops": len(program.host_ops),
         "bank_rows": len(program.bank_images),
         "device": device.name,
+        "passes": program.info.get("passes", []),
     }
 
     from nhil.targets.base import unclaimed
@@ -418,7 +402,6 @@ def _verify(run: _Run) -> None:
 
         with run.stage("run_teacher_forced"):
             tf = run_teacher_forced(runner, prompt_ids, golden_tokens, progress=progress)
-        all_agree = tf.tokens == golden_tokens
         if o.repeat > 1:
             with run.stage("repeat"):
                 same = 0
@@ -432,61 +415,125 @@ def _verify(run: _Run) -> None:
     R["target_tokens"] = free.tokens
     R["target_text"] = bundle.decode(free.tokens)
     R["positions_run"] = total
+    if bundle.tokenizer is not None:
+        R["golden_token_text"] = [bundle.decode([t]) for t in golden_tokens]
+        R["target_token_text"] = [bundle.decode([t]) for t in tf.tokens]
 
+    # ---- tight tier: target == device-numerics reference, bit for bit
+    has_moe = bool(moe_nodes(compiled.gm))
+    ref, device_router = _tight_reference(run, compiled, prompt_ids, golden_tokens, has_moe)
+    names = _layer_names(gt)
+    tight = compare_bits(ref.logits, tf.logits, ref.acts, tf.acts, len(prompt_ids), names)
+    R["tight"] = tight
+    fd = tight["first_difference"]
+    where = "" if fd is None else (f"first difference at {'step ' + str(fd['step']) + ' (position ' + str(fd['position']) + ')' if 'step' in fd else 'position ' + str(fd['position'])}, "
+                                   f"{fd['tensor']}[{fd['element']}]: reference {fd['reference']!r} ({fd['reference_bits']}) vs target {fd['target']!r} ({fd['target_bits']})")
+    run.check("tight_bit_identical_to_reference", tight["passed"],
+              f"{tight['logits_steps']} steps of logits and {tight['tensors_compared'] - 1} activations at every position bit-identical to the "
+              f"device-numerics reference ({tight['elements_compared']:,} values)" if tight["passed"] else f"target != compiler semantics: {where}")
+
+    # ---- accuracy tier: target vs the fp32 eager golden
     with run.stage("compare"):
-        cmp = metrics.compare_logits(gt["logits"].numpy(), tf.logits)
-        steps = []
-        step_fail = []
-        for s in cmp["steps"]:
-            s = dict(s)
-            s["position"] = len(prompt_ids) - 1 + s["step"]
-            s["golden_token"] = golden_tokens[s["step"]]
-            s["target_token"] = s.pop("test_top1")
-            v = failing(check(profile, "logits", s, overrides))
-            s["passed"] = not v
-            if v:
-                step_fail.append(f"step {s['step']}: " + "; ".join(str(x) for x in v))
-            steps.append(s)
+        routing = _routing(run, compiled, prompt_ids, golden_tokens, device_router, thresholds) if has_moe else []
+        R["routing_differences"] = routing
+        routing_ties = {r["position"]: {"layer": r["layer"], "module": r["module"], "golden_experts": r["golden_experts"], "device_experts": r["device_experts"],
+                                        "gap": r["gap"], "sigma": r["sigma"]} for r in routing if r["near_tie"]}
+        excluded: dict[int, set[int]] = {}
+        for r in routing:
+            if r["near_tie"]:
+                excluded.setdefault(r["layer"] if r["layer"] is not None else 0, set()).add(r["position"])
+        steps, step_fail, ties = accuracy.judge_steps(profile, overrides, thresholds, gt["logits"].numpy(), tf.logits, golden_tokens, len(prompt_ids), routing_ties)
         R["steps"] = steps
-        R["kl_mean"], R["kl_max"] = cmp["kl_mean"], cmp["kl_max"]
+        R["near_ties"] = ties
+        R["kl_mean"] = float(np.mean([s["kl"] for s in steps])) if steps else 0.0
+        R["kl_max"] = float(np.max([s["kl"] for s in steps])) if steps else 0.0
+        tie_steps = {t["step"] for t in ties}
         n_agree = sum(a == b for a, b in zip(tf.tokens, golden_tokens))
+        n_ok = sum(1 for i, (a, b) in enumerate(zip(tf.tokens, golden_tokens)) if a == b or i in tie_steps)
         fdt = metrics.first_divergent_token(golden_tokens, free.tokens)
         if fdt is not None and fdt < len(free.tokens):
-            R["first_divergent_token"] = _token_divergence(fdt, gt["logits"].numpy()[fdt], free.logits[fdt], golden_tokens[fdt], free.tokens[fdt])
+            R["first_divergent_token"] = accuracy.token_divergence(fdt, gt["logits"].numpy()[fdt], free.logits[fdt], golden_tokens[fdt], free.tokens[fdt])
+            R["first_divergent_token"]["near_tie"] = fdt in tie_steps
+        ntxt = f" ({len(tie_steps)} near tie(s): " + ", ".join(f"step {t['step']} {_tie_words(t)}" for t in ties) + ")" if ties else ""
         run_th = thresholds.get("run")
         if run_th is None:
-            run.check("teacher_forced_top1", all_agree, f"target top-1 equals the golden token at {n_agree}/{len(golden_tokens)} steps")
+            run.check("teacher_forced_top1", n_ok == len(golden_tokens), f"target top-1 equals the golden token at {n_agree}/{len(golden_tokens)} steps{ntxt}")
         else:  # quantized profiles: agreement rate and greedy match length with measured thresholds
             rate = n_agree / max(1, len(golden_tokens))
             th = run_th["top1_rate"]
-            run.check("teacher_forced_top1", rate >= th["min"], f"top-1 agreement {n_agree}/{len(golden_tokens)} = {rate:.3f}, needs >= {th['min']}: {th['reason']}")
-        run.check("logits_within_tolerance", not step_fail, "; ".join(step_fail) if step_fail else f"all {len(steps)} steps within the {profile} logits thresholds")
+            _judged_check(run, "teacher_forced_top1", rate >= th["min"], th, f"top-1 agreement {n_agree}/{len(golden_tokens)} = {rate:.3f}, needs >= {th['min']}: {th['reason']}")
+        _judged_check(run, "logits_within_tolerance", not step_fail, {"asserted": _asserted_any(thresholds, "logits")},
+                      "; ".join(step_fail) if step_fail else f"all {len(steps)} steps within the {profile} logits thresholds{ntxt}")
         if run_th is None:
-            run.check("free_running_tokens", fdt is None, "free-running greedy tokens equal the golden's" if fdt is None else f"first divergent token at step {fdt}: golden {golden_tokens[fdt]} vs target {free.tokens[fdt]}")
+            ok = fdt is None or fdt in tie_steps
+            run.check("free_running_tokens", ok, "free-running greedy tokens equal the golden's" if fdt is None else
+                      (f"free-running tokens equal the golden's up to step {fdt}, where the teacher-forced run shows a near tie (later tokens follow another prefix)" if ok
+                       else f"first divergent token at step {fdt}: golden {golden_tokens[fdt]} vs target {free.tokens[fdt]}"))
         else:
             match = len(golden_tokens) if fdt is None else fdt
             th = run_th["greedy_match"]
             need = min(th["min"], len(golden_tokens))
-            run.check("free_running_tokens", match >= need, f"greedy tokens match the golden's for {match}/{len(golden_tokens)} steps, needs >= {need}: {th['reason']}")
-        layers = []
-        first_bad = None
-        names = ["act.model.embed_tokens"] + sorted((k for k in gt if k.startswith("act.model.layers.")), key=lambda k: int(k.rsplit(".", 1)[1]))
-        for name in names:
-            if name not in tf.acts:
-                continue
-            ref = gt[name].numpy()
-            got = tf.acts[name][: ref.shape[0]]
-            m = metrics.compare_tensors(ref, got)
-            v = failing(check(profile, "hidden", m, overrides))
-            row = {"layer": name.removeprefix("act."), "cosine": m["cosine"], "sqnr_db": m["sqnr_db"], "max_abs": m["max_abs"], "rel_l2": m["rel_l2"], "passed": not v}
-            if v and first_bad is None:
-                first_bad = {"layer": row["layer"], "violations": [str(x) for x in v], "top_differences": _top_differences(ref, got)}
-            layers.append(row)
+            _judged_check(run, "free_running_tokens", match >= need, th, f"greedy tokens match the golden's for {match}/{len(golden_tokens)} steps, needs >= {need}: {th['reason']}")
+        layers, first_bad = accuracy.judge_layers(profile, overrides, gt, tf.acts, names, excluded)
         R["layers"] = layers
         R["first_divergent_layer"] = first_bad
-        run.check("hidden_states_within_tolerance", first_bad is None, "every layer within tolerance" if first_bad is None else f"first layer over tolerance: {first_bad['layer']}: {'; '.join(first_bad['violations'])}")
+        _judged_check(run, "hidden_states_within_tolerance", first_bad is None, {"asserted": _asserted_any(thresholds, "hidden")},
+                      "every layer within tolerance" + (f" (positions of routing near ties left out of the layers after them: {sorted({p for s in excluded.values() for p in s})})" if excluded else "")
+                      if first_bad is None else f"first layer over tolerance: {first_bad['layer']}: {'; '.join(first_bad['violations'])}")
+        real = [r for r in routing if not r["near_tie"]]
+        if has_moe:
+            run.check("expert_selection", not real, f"expert selections equal the golden's at every position and MoE layer, or differ on a near tie ({len(routing)} near tie(s))" if not real else
+                      f"{len(real)} expert selection(s) differ from the golden's beyond the router noise, first at position {real[0]['position']} layer {real[0]['layer']}: "
+                      f"golden {real[0]['golden_experts']} vs device {real[0]['device_experts']}, router-logit gap {real[0]['gap']:.4g} > noise {real[0]['sigma']:.3g}")
         if o.target != "sim" and o.lockstep:
             ls = R["target_stats"].get("lockstep", {})
             run.check("bit_identical_to_sim", ls.get("first_mismatch") is None, f"{ls.get('syncs_compared', 0)} SYNCs / {ls.get('readbacks_compared', 0)} readbacks compared bit for bit with the simulator")
     R["thresholds"] = thresholds
-    R["outcome"] = "PASS" if all(c["passed"] for c in R["checks"]) else "MISMATCH"
+    failed = [c for c in R["checks"] if not c["passed"]]
+    R["outcome"] = "PASS" if not failed else "MISMATCH"
+    if failed:
+        tight_fail = any(c["name"] in ("tight_bit_identical_to_reference", "bit_identical_to_sim", "program_round_trip", "deterministic") for c in failed)
+        acc_fail = any(c["name"] not in ("tight_bit_identical_to_reference", "bit_identical_to_sim", "program_round_trip", "deterministic") for c in failed)
+        R["failed_tier"] = "tight+accuracy" if tight_fail and acc_fail else ("tight" if tight_fail else "accuracy")
+    R["divergence_summary"] = _summary_words(R)
+
+
+def _asserted_any(thresholds: dict, kind: str) -> bool:
+    return any(isinstance(v, dict) and v.get("asserted", True) for v in (thresholds.get(kind) or {}).values())
+
+
+def _tie_words(t: dict) -> str:
+    if t.get("kind") == "routing":
+        return f"(expert selection at layer {t.get('layer')}: golden {t.get('golden_experts')} vs device {t.get('device_experts')}, router gap {t.get('gap', 0):.3g} within noise {t.get('sigma', 0):.3g})"
+    return f"(top-1/top-2 margin {t['margin']:.3g} <= 2 sigma = {t['bound']:.3g})"
+
+
+def _judged_check(run: "_Run", name: str, passed: bool, th: dict, detail: str) -> None:
+    """A check of the accuracy tier; with an observe-only threshold (``asserted`` False: accuracy not judged) it is
+    recorded as passed with the measured value and the words 'accuracy not judged'."""
+    if th.get("asserted", True):
+        run.check(name, passed, detail)
+    else:
+        run.check(name, True, f"accuracy not judged ({'would pass' if passed else 'would fail'} a placeholder): {detail}")
+
+
+def _summary_words(R: dict) -> str:
+    """What happened, in words (the report's first-divergence block)."""
+    tight = R.get("tight") or {}
+    fd = tight.get("first_difference")
+    parts = []
+    if fd:
+        at = f"decode step {fd['step']} (position {fd['position']})" if "step" in fd else f"position {fd['position']}"
+        parts.append(f"The target does not compute what the compiler meant: at {at} its {fd['tensor']} element {fd['element']} is {fd['target']!r} "
+                     f"({fd['target_bits']}) where the device-numerics reference gives {fd['reference']!r} ({fd['reference_bits']}); "
+                     f"{fd['elements_differing']} element(s) of that row differ. Everything before it is bit-identical.")
+    elif tight:
+        parts.append(f"The target is bit-identical to the device-numerics reference ({tight.get('elements_compared', 0):,} values).")
+    for t in R.get("near_ties") or []:
+        parts.append(f"Step {t['step']} is a near tie {_tie_words(t)}: not an accuracy failure; the tight tier still compares its bits.")
+    fdl = R.get("first_divergent_layer")
+    if fdl:
+        parts.append(f"Against fp32, {fdl['layer']} is the first layer over tolerance ({'; '.join(fdl['violations'])}).")
+    if R.get("accuracy_not_judged"):
+        parts.append(f"Accuracy against fp32 is reported but not judged: {R['accuracy_not_judged']}.")
+    return " ".join(parts)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from nhil.compiler.builder import ProgramBuilder
-from nhil.compiler.schedule import NAIVE_PIECES, PASS_INFO, PIPELINE, PassManager, apply_passes
+from nhil.compiler.pipeline import PassManager
+from nhil.compiler.schedule import NAIVE_PIECES, PASS_INFO, PIPELINE, apply_passes
 from nhil.errors import SetupError
 from nhil.isa import DEVICE_PRESETS
 from nhil.isa.instr import Op

@@ -44,7 +44,8 @@ def test_large_configs_compile_shape_only(name):
 
 def test_layer_extrapolation_matches_the_measured_program():
     """The ablation's 1-/2-layer extrapolation (used for huge naive programs) reproduces a measured 4-layer program's cycles and GEMV bytes."""
-    from nhil.compiler.schedule import PIPELINE, PassManager
+    from nhil.compiler.pipeline import PassManager
+    from nhil.compiler.schedule import PIPELINE
     from nhil.timing.ablation import _layers_extrapolated
     from nhil.timing.report import analyze
 

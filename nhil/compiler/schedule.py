@@ -1,4 +1,4 @@
-"""Scheduling and placement passes: a named, toggleable pipeline (``PassManager``).
+"""Scheduling and placement passes: named and toggleable (run by ``nhil.compiler.pipeline.PassManager``).
 
 Every optimisation the compiler makes for device bandwidth is a named pass; the *naive
 baseline* is the program compiled with none of them, and the default pipeline
@@ -6,7 +6,7 @@ baseline* is the program compiled with none of them, and the default pipeline
 
 * ``lower``: read by :class:`~nhil.compiler.builder.ProgramBuilder` while it places and
   emits GEMVs (the builder asks :func:`lowering_passes`, which the manager sets for the
-  duration of a compile, :meth:`PassManager.compile`);
+  duration of a compile, ``nhil.compiler.pipeline.PassManager.lowering``);
 * ``program``: functions ``Program -> Program`` over the instruction stream;
 * ``command``: decisions of the command-level schedule (L1 -> L2), recorded in
   ``program.info["passes"]`` and honoured by the timing model (``nhil.timing``).
@@ -49,7 +49,6 @@ subset of passes (``tests/test_schedule.py`` runs llama-tiny on the simulator).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 from typing import Callable
@@ -254,52 +253,8 @@ _LOWERING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("nhil_lowe
 
 
 def lowering_passes() -> frozenset:
-    """Names of the passes in effect for the builder (all of :data:`PIPELINE` unless a :class:`PassManager` compile says otherwise)."""
+    """Names of the passes in effect for the builder (all of :data:`PIPELINE` unless a ``pipeline.PassManager`` compile says otherwise)."""
     return _LOWERING.get()
-
-
-class PassManager:
-    """An ordered, named pass list (a subset of :data:`PIPELINE`, run in pipeline order).
-
-    Usage: ``prog = PassManager(["row-locality", "gemv-batch"]).compile(compile_shape_only, "llama3-8b")``
-    lowers with the lower-stage passes in effect, then runs the program-stage passes and
-    records ``info["passes"]`` (the enabled names, read by the timing model for the
-    command-stage ones). ``PassManager()`` is the default pipeline (all on);
-    ``PassManager([])`` the naive baseline.
-
-    Raises:
-        SetupError: an unknown pass name (names the known ones).
-    """
-
-    def __init__(self, passes=PIPELINE) -> None:
-        bad = [n for n in passes if n not in PASS_INFO]
-        if bad:
-            raise SetupError(f"unknown scheduling pass(es) {', '.join(map(repr, bad))}; passes: {', '.join(PIPELINE)}")
-        self.passes = tuple(n for n in PIPELINE if n in set(passes))
-
-    @contextlib.contextmanager
-    def lowering(self):
-        """Context in which :class:`~nhil.compiler.builder.ProgramBuilder` sees this pass list."""
-        tok = _LOWERING.set(frozenset(self.passes))
-        try:
-            yield
-        finally:
-            _LOWERING.reset(tok)
-
-    def run(self, p: Program) -> Program:
-        """Run the program-stage passes in order on ``p`` (compiled under :meth:`lowering`) and record ``info["passes"]``."""
-        for n in self.passes:
-            if n in PASSES:
-                p = PASSES[n](p)
-        info = dict(p.info)
-        info["passes"] = list(self.passes)
-        return dataclasses.replace(p, info=info)
-
-    def compile(self, compile_fn: Callable[..., Program], *args, **kw) -> Program:
-        """``compile_fn(*args, **kw)`` under :meth:`lowering`, then :meth:`run`."""
-        with self.lowering():
-            p = compile_fn(*args, **kw)
-        return self.run(p)
 
 
 def apply_passes(p: Program, names: list[str]) -> Program:

@@ -20,6 +20,23 @@ node by node in PyTorch, and
   for every cache position ``t < L``; the host softmax ``softmax(scale * scores)`` over
   the visible keys (masked ones exactly 0), fp32, as the ``masked_softmax`` host kernel;
   output ``p_j · V`` = the bf16 MAC over the ``L`` cache positions (p rounded to bf16).
+  With ``sinks`` (GPT-OSS) each head's sink logit joins the softmax as an extra column
+  (``- max``, then softmax, column dropped); with ``softcap`` c the scaled scores are
+  ``c * tanh(s / c)`` before masking.
+* ``nhil::moe``: as ``nhil/compiler/lower_moe.py`` runs it: the router as a bf16 GEMV
+  (GPT-OSS: + router bias in fp32), the routing rule of
+  :func:`nhil.compiler.primitives.moe_routing` on the host, then for each selected expert
+  in slot order its gate and up GEMVs, the activation on the host (``silu(g) * u`` or the
+  GPT-OSS clamped SwiGLU with its biases), its down GEMV (+ down bias); the combine
+  ``(stack(y) * w[:, None]).view(1, k, H).sum(1)``; a shared expert (gate/up/down GEMVs and
+  its [1, H] gate GEMV) adds ``sigmoid(gate) * shared``. Every expert matrix is bf16
+  (expert sub-programs are bf16-only). The router logits of every step are kept
+  (:attr:`QuantReference.router_logits`) so verify can tell a routing near tie.
+* ``nhil::mla_kv``: the absorbed form of ``nhil/compiler/lower_mla.py``: per head
+  ``q_abs_h = W_UK_hᵀ q_nope_h`` (bf16 GEMV), key rows ``[latent ‖ k_rot ‖ 0]`` and value
+  columns ``latent`` stored in bf16 at the position, scores = bf16 MAC of
+  ``[q_abs_h ‖ q_rot_h ‖ 0]`` with every key row, host softmax, ``ctx_h`` = bf16 MAC of the
+  probabilities with each latent channel over the positions, ``o_h = W_UV_h ctx_h`` (bf16 GEMV).
 * every other primitive (embedding, RMSNorm, RoPE, SiLU gating, residual add, ...):
   its own reference kernel (``torch.ops.nhil.*``) in fp32, i.e. the graph IR as is.
 
@@ -48,6 +65,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from nhil.compiler.primitives import visible_mask
 from nhil.errors import CompileError, RunError
 
 LANES = 16  # MAC burst width (docs/numerics.md)
@@ -172,8 +190,10 @@ class QuantReference(torch.fx.Interpreter):
             raise CompileError(f"unknown quantized-reference mode {mode!r}; use one of {', '.join(MODES)}")
         self.plan = plan
         self.mode = mode
-        self.weights: dict[str, MacWeight] = {}
+        self.weights: dict = {}
         self.cache_names: set[str] = set()
+        self.mla_caches: dict[str, tuple[str, int, int, int]] = {}  # node -> (latent cache constant, heads, r, rope)
+        self.router_logits: list[list[np.ndarray]] = []  # per step: router logits [E] of each MoE layer, in graph order
         self.acts: dict[str, str] = {}  # graph node name -> output name (act.*)
         layer_out: dict[int, str] = {}
         for n in gm.graph.nodes:
@@ -181,14 +201,17 @@ class QuantReference(torch.fx.Interpreter):
                 continue
             op = getattr(n.target, "_opname", None) or str(n.target)
             ns = getattr(n.target, "namespace", None)
-            if ns == "nhil" and op in ("moe", "attention"):
-                raise CompileError(f"the quantized reference has no device numerics for nhil::{op} (node {n.name}); it covers decode graphs of linear, attention_kv and host primitives")
+            if ns == "nhil" and op in ("attention", "mla"):
+                raise CompileError(f"the quantized reference has no device numerics for cache-less nhil::{op} (node {n.name}); it runs decode graphs")
             if ns == "nhil" and op == "attention_kv":
                 self.cache_names.update(a.target for a in n.args[3:5])
+            if ns == "nhil" and op == "mla_kv":
+                self.cache_names.update(a.target for a in n.args[3:5])
+                self.mla_caches[n.name] = (n.args[3].target, int(n.args[9]), int(n.args[10]), int(n.args[12]))
             if ns == "nhil" and op == "embedding":
                 self.acts[n.name] = "act.model.embed_tokens"
             if ns == "nhil" and op == "add":  # residual stream after each decoder layer (nhil.compiler.lower's act.model.layers.N)
-                m = re.search(r"(?:^|\.)layers\.(\d+)$", n.meta.get("nn_module_stack_path", ""))
+                m = re.search(r"(?:^|\.)(?:layers|h)\.(\d+)$", n.meta.get("nn_module_stack_path", ""))
                 if m:
                     layer_out[int(m.group(1))] = n.name
         for layer, name in layer_out.items():
@@ -206,6 +229,12 @@ class QuantReference(torch.fx.Interpreter):
             for part in name.split("."):
                 t = getattr(t, part)
             self.caches[name] = torch.zeros_like(t, dtype=torch.float32)
+        # MLA latent cache as the banks hold it: key rows [latent | k_rot | 0] and latent values, bf16 (zeros initially)
+        self.mla_state = {}
+        for name, (cache, _, r, rope) in self.mla_caches.items():
+            L = int(self.caches[cache].shape[2])
+            self.mla_state[name] = {"k": torch.zeros(L, _lanes_up(r + rope)), "v": torch.zeros(L, r)}
+        self.router_logits = []
 
     def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
         """Run one decode step: token id at cache position ``pos``.
@@ -220,6 +249,7 @@ class QuantReference(torch.fx.Interpreter):
         if max_len is not None and not 0 <= int(pos) < max_len:
             raise RunError(f"cache position {pos} outside the static KV cache of {max_len} positions; export the decode graph with a longer max_cache_len")
         self._captured = {}
+        self.router_logits.append([])
         with torch.no_grad():
             out = self.run(torch.tensor([[int(token)]], dtype=torch.long), torch.tensor([int(pos)], dtype=torch.long))
         out = out[0] if isinstance(out, (tuple, list)) else out
@@ -237,6 +267,7 @@ class QuantReference(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node):
         if n.op == "call_function" and getattr(n.target, "_opname", None) == "linear":
             self._current_weight_node = n.args[1]  # _weight names the linear's weight by its graph constant
+        self._current_node = n
         out = super().run_node(n)
         if n.name in self.acts:
             self._captured[self.acts[n.name]] = out
@@ -249,6 +280,10 @@ class QuantReference(torch.fx.Interpreter):
             return self._linear(*args, **kwargs)
         if ns == "nhil" and op == "attention_kv" and self.mode == "device":
             return self._attention_kv(*args, **kwargs)
+        if ns == "nhil" and op == "moe":
+            return self._moe(*args, **kwargs)
+        if ns == "nhil" and op == "mla_kv" and self.mode == "device":
+            return self._mla_kv(*args, **kwargs)
         if target is operator.getitem or ns == "nhil":
             return super().call_function(target, args, kwargs)
         raise CompileError(f"the quantized reference runs raised graphs of nhil primitives only; found {target}")
@@ -274,9 +309,7 @@ class QuantReference(torch.fx.Interpreter):
             y = torch.ops.nhil.add(y, bias.expand_as(y))
         return y
 
-    def _attention_kv(self, q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale, window=None, softcap=None):
-        from nhil.compiler.primitives import visible_mask
-
+    def _attention_kv(self, q, k, v, k_cache, v_cache, cache_position, num_heads, num_kv_heads, scale, window=None, softcap=None, *, sinks=None):
         hkv, L, hd = int(k_cache.shape[1]), int(k_cache.shape[2]), int(k_cache.shape[3])
         if q.shape[0] != 1 or q.shape[1] != 1:
             raise CompileError(f"the quantized reference runs one decode token at a time, got q of shape {tuple(q.shape)}")
@@ -291,8 +324,98 @@ class QuantReference(torch.fx.Interpreter):
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
         vis = visible_mask(torch.tensor([pos]), L, window)[0]
-        p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)  # host masked_softmax
+        s = s.masked_fill(~vis, float("-inf"))
+        if sinks is not None:  # sink logit per head as an extra softmax column, dropped after
+            comb = torch.cat([s, sinks.reshape(num_heads, 1).to(torch.float32)], dim=-1)
+            p = torch.softmax(comb - comb.max(dim=-1, keepdim=True).values, dim=-1)[:, :-1]
+        else:
+            p = torch.softmax(s, dim=-1)  # host masked_softmax
         vt = v_cache[0].transpose(1, 2).repeat_interleave(rep, dim=0)  # [Hq, hd, L]: Vᵀ rows
         out = bf16_mac_rows(vt, p)  # [Hq, hd]
         return out.reshape(1, 1, num_heads * hd)
 
+
+    def _bf16_weight(self, key, w: torch.Tensor) -> MacWeight:
+        """A bf16 MAC weight (MoE experts, MLA's split kv_b_proj), built once per ``key``."""
+        if key not in self.weights:
+            self.weights[key] = MacWeight(w.contiguous())
+        return self.weights[key]
+
+    def _gemv_bf16(self, key, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        mw = self._bf16_weight(key, w)
+        return mw.gemv(x) if self.mode == "device" else F.linear(x.reshape(1, -1), mw.deq).reshape(-1)
+
+    def _moe(self, x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu",
+             score_bias=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, *, shared_gate_proj=None, shared_up_proj=None,
+             shared_down_proj=None, shared_expert_gate=None, router_bias=None, softmax_after_topk=False, gate_up_bias=None, down_bias=None,
+             experts_layout="concat", swiglu_alpha=1.702, swiglu_limit=7.0):
+        from nhil.compiler.primitives import moe_routing, swiglu_clamp
+
+        node = self._current_node.name
+        h = int(x.shape[-1])
+        hs = x.reshape(-1)
+        if x.numel() != h:
+            raise CompileError(f"the quantized reference runs one decode token at a time, got moe input of shape {tuple(x.shape)}")
+        shared = None
+        if shared_gate_proj is not None:
+            g = self._gemv_bf16((node, "shared.gate"), shared_gate_proj, hs)
+            u = self._gemv_bf16((node, "shared.up"), shared_up_proj, hs)
+            shared = self._gemv_bf16((node, "shared.down"), shared_down_proj, torch.ops.nhil.silu_mul(g, u))
+            gate = self._gemv_bf16((node, "shared.expert_gate"), shared_expert_gate, hs) if shared_expert_gate is not None else None
+        logits = self._gemv_bf16((node, "router"), router_weight, hs)
+        if router_bias is not None:
+            logits = logits + router_bias
+        self.router_logits[-1].append(logits.numpy().astype(np.float32, copy=True))
+        w, ids = moe_routing(logits.reshape(1, -1), top_k, score_func, norm_topk_prob, score_bias, n_group, topk_group, routed_scaling_factor,
+                             softmax_after_topk=softmax_after_topk)
+        ys = []
+        for e in (int(i) for i in ids.reshape(-1)):
+            if experts_layout == "transposed_interleaved":  # GPT-OSS: [H, 2I] interleaved gate/up columns, down [I, H], biases
+                g = self._gemv_bf16((node, e, "gate"), gate_up_proj[e, :, 0::2].t(), hs)
+                u = self._gemv_bf16((node, e, "up"), gate_up_proj[e, :, 1::2].t(), hs)
+                a = swiglu_clamp(g + gate_up_bias[e, 0::2], u + gate_up_bias[e, 1::2], swiglu_alpha, swiglu_limit)
+                ys.append(self._gemv_bf16((node, e, "down"), down_proj[e].t(), a) + down_bias[e])
+            else:
+                inter = int(gate_up_proj.shape[1]) // 2
+                g = self._gemv_bf16((node, e, "gate"), gate_up_proj[e, :inter], hs)
+                u = self._gemv_bf16((node, e, "up"), gate_up_proj[e, inter:], hs)
+                ys.append(self._gemv_bf16((node, e, "down"), down_proj[e], torch.ops.nhil.silu_mul(g, u)))
+        y = torch.stack(ys) * w.reshape(-1).unsqueeze(-1)
+        out = y.view(1, top_k, -1).sum(dim=1).reshape(-1)
+        if shared is not None:
+            out = out + (torch.sigmoid(gate) * shared if gate is not None else shared)
+        return out.reshape(x.shape)
+
+    def _mla_kv(self, q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, cos, sin, kv_b_weight, num_heads, kv_lora_rank,
+                qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale, rope_interleave=True, q_lora_rank=None):
+        from nhil.compiler.primitives import mla_rope_parts
+
+        node = self._current_node.name
+        h, r, nope, rope, v = int(num_heads), int(kv_lora_rank), int(qk_nope_head_dim), int(qk_rope_head_dim), int(v_head_dim)
+        st = self.mla_state[node]
+        L, kd = int(st["k"].shape[0]), int(st["k"].shape[1])
+        if q.shape[0] != 1 or q.shape[1] != 1:
+            raise CompileError(f"the quantized reference runs one decode token at a time, got q of shape {tuple(q.shape)}")
+        pos = int(cache_position.reshape(-1)[0])
+        q_pass, q_rot, k_rot = mla_rope_parts(q, k_rope, cos, sin, h, nope, rope, rope_interleave)  # fp32 on the host
+        w = kv_b_weight.detach().to(torch.float32).view(h, nope + v, r)
+        q_nope = q.reshape(h, nope + rope)[:, :nope]
+        q_abs = torch.stack([self._gemv_bf16((node, j, "uk_t"), w[j, :nope].t(), q_nope[j]) for j in range(h)])  # [H, r]
+        kcat = torch.zeros(kd)
+        kcat[:r] = kv_latent.reshape(-1)
+        kcat[r : r + rope] = k_rot.reshape(-1)
+        st["k"][pos] = round_bf16(kcat)  # WR_SBK stores bf16
+        st["v"][pos] = round_bf16(kv_latent.reshape(-1))
+        qcat = torch.zeros(h, kd)
+        qcat[:, :r] = q_abs
+        qcat[:, r : r + rope] = q_rot.reshape(h, rope)
+        scores = bf16_mac_rows(st["k"].unsqueeze(0).expand(h, L, kd), qcat)  # [H, L]
+        vis = visible_mask(torch.tensor([pos]), L, None)[0]
+        p = torch.softmax((scores * scale).masked_fill(~vis, float("-inf")), dim=-1)  # host masked_softmax
+        ctx = bf16_mac_rows(st["v"].t().unsqueeze(0).expand(h, r, L), p)  # [H, r]: Σ_t p(t) latent_t per channel
+        out = torch.stack([self._gemv_bf16((node, j, "uv"), w[j, nope:], ctx[j]) for j in range(h)])  # [H, v]
+        return out.reshape(1, 1, h * v)
+
+
+def _lanes_up(n: int) -> int:
+    return -(-n // LANES) * LANES

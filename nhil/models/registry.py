@@ -62,11 +62,14 @@ class ModelBundle:
         return self.tokenizer.decode(ids)
 
 
-_REGISTRY: dict[str, tuple[Callable[[], ModelBundle], str]] = {}
+_REGISTRY: dict[str, tuple[Callable[..., ModelBundle], str]] = {}
 
 
 def register(name: str, description: str):
-    """Decorator registering a zero-argument builder returning a :class:`ModelBundle`."""
+    """Decorator registering a builder returning a :class:`ModelBundle`.
+
+    A builder of seeded weights (the tiny configs) takes ``seed: int``; a real checkpoint's takes no argument.
+    """
 
     def deco(fn: Callable[[], ModelBundle]):
         _REGISTRY[name] = (fn, description)
@@ -81,21 +84,34 @@ def list_models() -> dict[str, str]:
     return {k: v[1] for k, v in sorted(_REGISTRY.items())}
 
 
-_CACHE: dict[str, ModelBundle] = {}
+_CACHE: dict[tuple[str, int | None], ModelBundle] = {}
 
 
-def get_model(name: str) -> ModelBundle:
-    """Build (once per process) and return the model registered as ``name``.
+def is_seeded(name: str) -> bool:
+    """Does the builder of ``name`` draw seeded weights (takes ``seed``)? False for real checkpoints."""
+    import inspect
 
+    _load_builtin()
+    return name in _REGISTRY and "seed" in inspect.signature(_REGISTRY[name][0]).parameters
+
+
+def get_model(name: str, seed: int | None = None) -> ModelBundle:
+    """Build (once per process and seed) and return the model registered as ``name``.
+
+    Args:
+        seed: weight seed of a seeded tiny model (default 0; ``weights_id`` records it as
+            ``seed:<n>``); ignored by real checkpoints, whose weights are the file's.
     Raises:
         SetupError: unknown name (lists the known ones) or a missing weights package.
     """
     _load_builtin()
     if name not in _REGISTRY:
         raise SetupError(f"unknown model {name!r}; registered: {', '.join(sorted(_REGISTRY))} (see `nhil models`)")
-    if name not in _CACHE:
-        _CACHE[name] = _REGISTRY[name][0]()
-    return _CACHE[name]
+    key = (name, int(seed or 0)) if is_seeded(name) else (name, None)
+    if key not in _CACHE:
+        fn = _REGISTRY[name][0]
+        _CACHE[key] = fn(seed=key[1]) if key[1] is not None else fn()
+    return _CACHE[key]
 
 
 def _load_builtin() -> None:

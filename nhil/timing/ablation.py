@@ -62,7 +62,7 @@ def _layers_extrapolated(cfg, passes: list[str], device: str, max_cache_len: int
     Used for variants whose full program is too large to time here (naive placement
     without ``bank-spread``: 32x the instructions; Llama-3-8B: ~4M instructions).
     """
-    from nhil.compiler.schedule import PassManager
+    from nhil.compiler.pipeline import PassManager
     from nhil.compiler.shape_only import compile_shape_only
 
     reps = [analyze(PassManager(passes).compile(compile_shape_only, dataclasses.replace(cfg, num_hidden_layers=n), device=device, max_cache_len=max_cache_len), gpu_gbs=gpu_gbs) for n in (1, 2)]
@@ -94,7 +94,8 @@ def ablation(config: str, max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS
         ``{"config", "device", "rows": [per-variant dict (see :func:`_row`)], "extrapolation_error"}``;
         cycles are command-clock cycles, bandwidths GB/s over the GEMV segments.
     """
-    from nhil.compiler.schedule import PIPELINE, PassManager
+    from nhil.compiler.pipeline import PassManager
+    from nhil.compiler.schedule import PIPELINE
     from nhil.compiler.shape_only import CONFIGS, compile_shape_only
 
     cfg = CONFIGS[config]
@@ -137,7 +138,7 @@ def device_study(config: str = "llama3-8b", max_cache_len: int = 128, gpu_gbs: f
     :func:`nhil.timing.report.device_param_study`): with all-bank MACs every bank still pays
     ACT+PRE per row, so its bound is the preset's.
     """
-    from nhil.compiler.schedule import PassManager
+    from nhil.compiler.pipeline import PassManager
     from nhil.compiler.shape_only import compile_shape_only
     from nhil.timing.table import timing_for
 

@@ -34,7 +34,7 @@ def kv_bytes(program: Program) -> int:
 
 
 def controller_for(program: Program) -> bool:
-    """``inorder`` for a program: in order iff it went through a ``PassManager`` without ``gb-overlap`` (``nhil.compiler.schedule``)."""
+    """``inorder`` for a program: in order iff it went through a ``pipeline.PassManager`` without ``gb-overlap`` (``nhil.compiler.schedule``)."""
     ps = program.info.get("passes")
     return ps is not None and "gb-overlap" not in ps
 
