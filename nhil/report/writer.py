@@ -78,6 +78,17 @@ def _num(v: Any, digits: int = 6) -> str:
     return f"{f:.{digits}g}"
 
 
+def _cos(v: Any) -> str:
+    """A cosine with enough digits to differ from 1 (and ``1 - cos`` beside it)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return _num(v)
+    if math.isnan(f) or math.isinf(f):
+        return _num(f)
+    return "1 (exact)" if f == 1.0 else f"{f:.10f} (1-cos {1.0 - f:.3g})"
+
+
 def _cell(v: Any) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
@@ -159,6 +170,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += _table(["field", "value"], [[_cell(k), _cell(v)] for k, v in mm.items()])
         out.append("")
 
+    from nhil.report.tiers import tier_sections
+
+    out += tier_sections(report)
     checks = report.get("checks") or []
     if checks:
         out += ["## Checks", ""]
@@ -170,16 +184,23 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     steps = report.get("steps") or []
     if steps:
-        out += ["## Per-step logits (teacher forcing)", ""]
+        out += ["## Per-step logits (teacher forcing, accuracy tier vs fp32)", ""]
+        gtxt, ttxt = report.get("golden_token_text") or [], report.get("target_token_text") or []
+
+        def tok(ids_key: Any, texts: list, i: int) -> str:
+            t = _cell(ids_key if ids_key is not None else "-")
+            return f"{t} `{texts[i]!r}`" if i < len(texts) else t
+
         out += _table(
             ["step", "position", "golden token", "target token", "cosine", "SQNR dB", "KL (nats)", "max abs", "top-1 agree"],
             [
                 [
-                    _num(s.get("step")), _num(s.get("position")), _cell(s.get("golden_token", "-")),
-                    _cell(s.get("target_token", "-")), _num(s.get("cosine")), _num(s.get("sqnr_db"), 4),
-                    _num(s.get("kl"), 4), _num(s.get("max_abs"), 4), _num(s.get("top1_agree")),
+                    _num(s.get("step")), _num(s.get("position")), tok(s.get("golden_token"), gtxt, i),
+                    tok(s.get("target_token"), ttxt, i), _cos(s.get("cosine")), _num(s.get("sqnr_db"), 4),
+                    _num(s.get("kl"), 4), _num(s.get("max_abs"), 4),
+                    "near tie" if s.get("near_tie") else _num(s.get("top1_agree")),
                 ]
-                for s in steps
+                for i, s in enumerate(steps)
             ],
         )
         out.append("")
@@ -190,7 +211,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         out += _table(
             ["layer", "cosine", "SQNR dB", "max abs", "pass"],
             [
-                [_cell(d.get("layer", "?")), _num(d.get("cosine")), _num(d.get("sqnr_db"), 4), _num(d.get("max_abs"), 4),
+                [_cell(d.get("layer", "?")), _cos(d.get("cosine")), _num(d.get("sqnr_db"), 4), _num(d.get("max_abs"), 4),
                  "pass" if d.get("passed") else ("**FAIL**" if d.get("passed") is False else "-")]
                 for d in layers
             ],

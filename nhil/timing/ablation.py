@@ -62,10 +62,9 @@ def _layers_extrapolated(cfg, passes: list[str], device: str, max_cache_len: int
     Used for variants whose full program is too large to time here (naive placement
     without ``bank-spread``: 32x the instructions; Llama-3-8B: ~4M instructions).
     """
-    from nhil.compiler.pipeline import PassManager
-    from nhil.compiler.shape_only import compile_shape_only
+    from nhil.compiler.pipeline import compile_shapes
 
-    reps = [analyze(PassManager(passes).compile(compile_shape_only, dataclasses.replace(cfg, num_hidden_layers=n), device=device, max_cache_len=max_cache_len), gpu_gbs=gpu_gbs) for n in (1, 2)]
+    reps = [analyze(compile_shapes(dataclasses.replace(cfg, num_hidden_layers=n), device=device, passes=passes, max_cache_len=max_cache_len), gpu_gbs=gpu_gbs) for n in (1, 2)]
     L = cfg.num_hidden_layers
 
     def lin(f):
@@ -94,9 +93,9 @@ def ablation(config: str, max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS
         ``{"config", "device", "rows": [per-variant dict (see :func:`_row`)], "extrapolation_error"}``;
         cycles are command-clock cycles, bandwidths GB/s over the GEMV segments.
     """
-    from nhil.compiler.pipeline import PassManager
+    from nhil.compiler.pipeline import compile_shapes
     from nhil.compiler.schedule import PIPELINE
-    from nhil.compiler.shape_only import CONFIGS, compile_shape_only
+    from nhil.compiler.shape_only import CONFIGS
 
     cfg = CONFIGS[config]
     big = cfg.num_hidden_layers > EXTRAPOLATE_LAYERS
@@ -107,7 +106,7 @@ def ablation(config: str, max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS
         if big and "bank-spread" not in passes:
             rep, how = _layers_extrapolated(cfg, passes, device, max_cache_len, gpu_gbs), "extrapolated (1, 2 layers)"
         else:
-            prog = PassManager(passes).compile(compile_shape_only, config, device=device, max_cache_len=max_cache_len)
+            prog = compile_shapes(config, device=device, passes=passes, max_cache_len=max_cache_len)
             dev = prog.device.name
             rep, how = analyze(prog, gpu_gbs=gpu_gbs), "measured"
         rows.append(dict(_row(label, passes, rep, time.perf_counter() - t0), how=how))
@@ -138,15 +137,14 @@ def device_study(config: str = "llama3-8b", max_cache_len: int = 128, gpu_gbs: f
     :func:`nhil.timing.report.device_param_study`): with all-bank MACs every bank still pays
     ACT+PRE per row, so its bound is the preset's.
     """
-    from nhil.compiler.pipeline import PassManager
-    from nhil.compiler.shape_only import compile_shape_only
+    from nhil.compiler.pipeline import compile_shapes
     from nhil.timing.table import timing_for
 
     rows = []
     base = None
     for rb in (2048, 4096, 8192):
         d = row_size_device(rb)
-        prog = PassManager().compile(compile_shape_only, config, device=d, max_cache_len=max_cache_len)
+        prog = compile_shapes(config, device=d, max_cache_len=max_cache_len)
         rep = analyze(prog, gpu_gbs=gpu_gbs)
         T = timing_for(d)
         r = {"variant": f"row {rb // 1024} KB" + (" (AiM-like preset)" if rb == 2048 else f", GB {rb // 1024} KB"), "how": "measured",
@@ -159,7 +157,7 @@ def device_study(config: str = "llama3-8b", max_cache_len: int = 128, gpu_gbs: f
     b, brep = base
     d = row_size_device(2048)
     T2 = timing_for(d).replace(name="aim-like dual-row-buffer", row_buffers=2)
-    prog = PassManager().compile(compile_shape_only, config, device=d, max_cache_len=max_cache_len)
+    prog = compile_shapes(config, device=d, max_cache_len=max_cache_len)
     rep = analyze(prog, table=T2, gpu_gbs=gpu_gbs)
     rows.append({"variant": "dual row buffers (2 KB rows)", "how": "measured", "tokens_per_s": rep["tokens_per_s"], "cycles_per_token": rep["cycles_per_token"], "row_bound": T2.row_bound_fraction(d.bursts_per_row),
                  "achieved_gbs": rep["gemv"]["achieved_gbs"], "best_gbs": rep["gemv"]["best_gbs"], "peak_gbs": rep["gemv"]["peak_gbs"], "achieved_of_best": rep["gemv"]["achieved_of_best"], "gemv_cycles": rep["gemv"]["cycles"]})

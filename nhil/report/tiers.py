@@ -1,0 +1,73 @@
+"""Markdown sections of a verify report for its two tiers, kept apart.
+
+* "What happened": the report's ``divergence_summary`` in words;
+* "Tight tier: target vs compiler semantics": bit identity with the device-numerics
+  reference, and where the first bits differ (step or position, tensor, element, both
+  values with their IEEE-754 bits);
+* "Near ties": top-1 flips and MoE expert selections within the accuracy tier's noise
+  (margin, sigma, layer, experts);
+* "Compiled with": the scheduling passes and whether each changed the program.
+
+Used by :func:`nhil.report.writer.render_markdown`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _cell(v: Any) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def tier_sections(report: dict[str, Any]) -> list[str]:
+    """Markdown lines of the sections listed in the module docstring (empty when the report has none)."""
+    out: list[str] = []
+    if report.get("divergence_summary"):
+        out += ["## What happened", "", str(report["divergence_summary"]), ""]
+    tight = report.get("tight")
+    if isinstance(tight, dict):
+        out += ["## Tight tier: target vs compiler semantics (device-numerics reference, bit for bit)", ""]
+        fd = tight.get("first_difference")
+        if not fd:
+            out += [f"PASS: {tight.get('logits_steps')} steps of logits and {int(tight.get('tensors_compared', 1)) - 1} activations at every position, "
+                    f"{int(tight.get('elements_compared', 0)):,} values, bit-identical.", ""]
+        else:
+            out += ["**FAIL**: the target differs from what the compiler meant. First difference:", ""]
+            out += _table(["field", "value"], [[_cell(k), _cell(v)] for k, v in fd.items()])
+            out.append("")
+    ties = report.get("near_ties") or []
+    if ties:
+        out += ["## Near ties (accuracy tier: reported, not failed)", ""]
+        rows = []
+        for t in ties:
+            if t.get("kind") == "routing":
+                what = f"expert selection at layer {t.get('layer')} ({t.get('module')}): golden {t.get('golden_experts')} vs device {t.get('device_experts')}"
+                size = f"router-logit gap {float(t.get('gap', 0)):.4g}, noise sigma {float(t.get('sigma', 0)):.4g}"
+            else:
+                what = "top-1 token flip"
+                size = f"golden margin {float(t['margin']):.4g} <= 2 sigma = {float(t['bound']):.4g}"
+            rows.append([_cell(t.get("step")), _cell(t.get("position")), _cell(what), _cell(size)])
+        out += _table(["step", "position", "what", "size"], rows)
+        out.append("")
+    routing = [r for r in report.get("routing_differences") or [] if not r.get("near_tie")]
+    if routing:
+        out += ["## Expert selections that differ beyond the noise", ""]
+        out += _table(["position", "layer", "golden experts", "device experts", "gap", "sigma"],
+                      [[_cell(r["position"]), _cell(r["layer"]), _cell(r["golden_experts"]), _cell(r["device_experts"]), f"{r['gap']:.4g}", f"{r['sigma']:.4g}"] for r in routing])
+        out.append("")
+    if report.get("accuracy_not_judged"):
+        out += ["## Accuracy not judged", "", str(report["accuracy_not_judged"]), ""]
+    log = report.get("pass_log") or []
+    if log:
+        out += ["## Compiled with (scheduling passes, `nhil.compiler.pipeline`)", ""]
+        out += _table(["pass", "stage", "changed the program", "instructions"],
+                      [[_cell(p["name"]), _cell(p["stage"]), "-" if p.get("changed") is None else ("yes" if p["changed"] else "no"),
+                        "-" if p.get("instrs_before") is None else f"{p['instrs_before']} -> {p['instrs_after']}"] for p in log])
+        out.append("")
+    return out
