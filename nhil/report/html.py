@@ -96,7 +96,10 @@ _VERIFY = """{% extends "base" %}{% block body %}
 {% if r.reproducer %}<h2>Reproducer</h2><pre id="reproducer">{{ r.reproducer }}</pre>{% endif %}
 {% if r.error %}<h2>Error</h2><pre id="error">{{ r.error }}</pre>{% endif %}
 
-<h2>First divergence</h2>
+{% if r.divergence_summary %}<h2>What happened</h2><p id="summary">{{ r.divergence_summary }}</p>{% endif %}
+{% if r.tight %}<h2>Tight tier: target vs compiler semantics (bit for bit)</h2><table id="tight">{% if r.tight.first_difference %}<tr><th>result</th><td class="fail">FAIL</td></tr>{% for k, v in r.tight.first_difference.items() %}<tr><th>{{ k }}</th><td><code>{{ v }}</code></td></tr>{% endfor %}{% else %}<tr><th>result</th><td class="pass">PASS: {{ r.tight.logits_steps }} steps of logits and every captured activation, {{ r.tight.elements_compared }} values bit-identical to the device-numerics reference</td></tr>{% endif %}</table>{% endif %}
+{% if r.near_ties %}<h2>Near ties (accuracy tier: reported, not failed)</h2><table id="near-ties"><tr><th>step</th><th>position</th><th>kind</th><th>detail</th></tr>{% for t in r.near_ties %}<tr><td>{{ t.step }}</td><td>{{ t.position }}</td><td>{{ t.kind }}</td><td>{% for k, v in t.items() if k not in ("step", "position", "kind") %}{{ k }} = {{ v }}{% if not loop.last %}; {% endif %}{% endfor %}</td></tr>{% endfor %}</table>{% endif %}
+<h2>First divergence (accuracy tier, vs fp32)</h2>
 <table id="first-divergence">
 <tr><th>layer</th><td>{% if fdl %}<b>{{ fdl.layer }}</b>: {{ fdl.violations | join("; ") }}{% elif "first_divergent_layer" in r and r.layers %}none (every layer within tolerance){% else %}<span class="muted">not compared</span>{% endif %}</td></tr>
 <tr><th>token (free-running)</th><td>{% if ftd %}step {{ ftd.step }}: golden {{ ftd.golden_token }} vs target {{ ftd.target_token }}{% for k, v in ftd.items() if k not in ("step", "golden_token", "target_token") %}; {{ k }} = {{ v }}{% endfor %}{% elif r.target_tokens is defined %}none (free-running tokens equal the golden's){% else %}<span class="muted">not run</span>{% endif %}</td></tr>
