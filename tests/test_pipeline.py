@@ -28,6 +28,15 @@ def mixtral_raised(mixtral):
     return pipeline.export_and_raise(mixtral, 32)[1]
 
 
+def _batches(program) -> int:
+    """Accumulator batches: maximal runs of consecutive WR_ACC (each opens one batch of accumulators)."""
+    n, prev = 0, None
+    for ins in program.instrs:
+        n += ins.op.name == "WR_ACC" and prev != "WR_ACC"
+        prev = ins.op.name
+    return n
+
+
 def _logits(program):
     from nhil.runtime import Runner, run_teacher_forced
     from nhil.targets.sim import SimTarget
@@ -86,15 +95,19 @@ def test_each_pass_alone_and_removed_keeps_outputs_bit_identical(name, mixtral_r
         lg, acts = _logits(prog)
         assert np.array_equal(lg.view(np.uint32), ref_logits.view(np.uint32))
         assert all(np.array_equal(acts[k].view(np.uint32), ref_acts[k].view(np.uint32)) for k in ref_acts)
+    # the pass's own invariant, against the naive baseline (its effect can be subsumed by later passes in the default pipeline)
+    none, _ = pipeline.lower(mixtral_raised, AIM, passes=[])
     ops = lambda p, op: sum(1 for i in p.instrs if i.op.name == op)  # noqa: E731
     if name == "handoff-batch":
-        assert ops(without, "SYNC") > ops(default, "SYNC")
-    elif name in ("vector-reuse", "gemv-batch"):
-        assert ops(without, "WR_GB") > ops(default, "WR_GB")
-    elif name == "row-locality":
-        assert ops(without, "MAC_AB") > ops(default, "MAC_AB")  # MACs cut into column pieces
-    elif name == "bank-spread":
-        assert ops(without, "MAC_AB") > ops(default, "MAC_AB")  # channel 0 only: more row-groups
+        assert ops(alone, "SYNC") < ops(none, "SYNC")
+    elif name == "vector-reuse":
+        assert ops(alone, "WR_GB") < ops(none, "WR_GB")
+    elif name == "gemv-batch":  # accumulator batches span matrices that share an input (within a device block: needs handoff-batch)
+        assert _batches(default) < _batches(without)  # measured on the tiny Mixtral: 27 vs 39
+    elif name in ("row-locality", "bank-spread"):
+        assert ops(alone, "MAC_AB") < ops(none, "MAC_AB")  # whole-row MACs / every channel: fewer MAC_AB
+    else:  # gb-overlap: a decision of the command schedule, the instruction stream is the baseline's
+        assert alone.instrs == none.instrs
     assert default.info["passes"] == list(PIPELINE) and without.info["passes"] == [n for n in PIPELINE if n != name]
 
 
@@ -109,13 +122,13 @@ def test_compile_records_the_passes_in_the_program_and_the_bundle(tmp_path):
 
 
 def test_callers_do_not_write_the_compile_sequence_again():
-    """Only the pipeline (and the lowering's own modules) call the lowering entry point."""
+    """Only the pipeline imports the lowering entry point (every caller goes through pipeline.compile / lower)."""
     root = Path(__file__).resolve().parents[1] / "nhil"
     offenders = []
     for f in root.rglob("*.py"):
         rel = f.relative_to(root).as_posix()
         if rel in ("compiler/pipeline.py", "compiler/lower.py"):
             continue
-        if re.search(r"\blower_decode_graph\(", f.read_text()):
+        if re.search(r"^\s*from nhil\.compiler\.lower import .*\blower_decode_graph\b", f.read_text(), re.M):
             offenders.append(rel)
     assert offenders == []
