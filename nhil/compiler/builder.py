@@ -135,10 +135,14 @@ class ProgramBuilder:
         self.instrs.append(Instr(Op.HOST, imm=len(self.host_ops) - 1))
 
     def host_image(self, name: str, arr) -> str:
-        """Register an fp32 host constant (norm weight, embedding table, inv_freq)."""
+        """Register an fp32 host constant (norm weight, embedding table, inv_freq).
+
+        A meta tensor (shape-only compilation, ``nhil.compiler.shape_only``) registers an
+        empty stub: the image is named in the program but holds no values.
+        """
         if name in self.host_images:
             return name
-        self.host_images[name] = to_f32(arr)
+        self.host_images[name] = np.zeros(0, np.float32) if getattr(arr, "is_meta", False) else to_f32(arr)
         return name
 
     def alloc_rows(self, n: int, zero: bool = True) -> int:

@@ -28,6 +28,7 @@ import math
 from nhil.errors import CompileError
 from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, Op
 from nhil.compiler.builder import ZEROS, ProgramBuilder
+from nhil.compiler.lowering import LowerCtx, lowering
 
 
 @dataclasses.dataclass
@@ -142,3 +143,19 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
         for a, (j, g, lo, hi) in enumerate(batch):
             h = j // rep
             b.emit(Op.RD_ACC, k=a, col=lo - g * S, n=hi - lo, operand=b.operand(out, j * hd + (lo - h * hd), hi - lo))
+
+
+@lowering("nhil::attention_kv")
+def _attention_kv(cx: LowerCtx, node) -> None:
+    """Decode attention over the static KV cache: KV rows placed here (:func:`place_kv`), then :func:`lower_decode_attention`."""
+    q, k, v, kc, _vc, _cpos, hq, hkv, scale = node.args[:9]
+    window, softcap = (list(node.args[9:]) + [None, None])[:2]
+    kshape = cx.const(kc).shape  # [B, Hkv, L, hd]
+    layer = cx.next_attention_layer()
+    kv = place_kv(cx.b, layer, int(kshape[2]), int(hkv), int(kshape[3]))
+    cx.kv_layouts[layer] = kv
+    out = cx.out(node)
+    sinks = node.kwargs.get("sinks")
+    if sinks is not None:  # GPT-OSS per-head sink logits: a host image read by the host softmax
+        sinks = cx.image(sinks)
+    lower_decode_attention(cx.b, kv, cx.arg(q), cx.arg(k), cx.arg(v), out, int(hq), float(scale), name=f"attn{layer}", window=window, softcap=softcap, sinks=sinks)

@@ -37,6 +37,7 @@ import torch
 
 from nhil.compiler.builder import ZEROS, ProgramBuilder
 from nhil.compiler.lower_attention import KvLayout
+from nhil.compiler.lowering import LowerCtx, lowering
 from nhil.errors import CompileError
 from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, Op
 
@@ -131,3 +132,17 @@ def lower_mla(b: ProgramBuilder, layer: int, bufs: dict, w_name: str, w_kv_b: to
         p = b.place_matrix(f"{w_name}.uv.{j}", w[j, nope:].contiguous())
         b.gemv(p, ctxb, out, x_off=j * r, y_off=j * v)
     return kv
+
+
+_MLA_POSITIONAL = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "scale", "rope_interleave", "q_lora_rank")
+
+
+@lowering("nhil::mla_kv")
+def _mla_kv(cx: LowerCtx, node) -> None:
+    """Absorbed MLA: GEMVs and latent-cache attention in PIM, RoPE / softmax on the host (:func:`lower_mla`)."""
+    q, lat, kpe, lc, _rc, _cpos, cos, sin, wkv = node.args[:9]
+    attrs = dict(zip(_MLA_POSITIONAL, node.args[9:]))
+    attrs.setdefault("rope_interleave", True)
+    layer = cx.next_attention_layer()
+    bufs = {"q": cx.arg(q), "latent": cx.arg(lat), "k_rope": cx.arg(kpe), "cos": cx.arg(cos), "sin": cx.arg(sin)}
+    cx.kv_layouts[layer] = lower_mla(cx.b, layer, bufs, cx.const_name(wkv), cx.const(wkv), attrs, int(cx.const(lc).shape[2]), node.name)

@@ -38,8 +38,11 @@ holds there depends on which experts ran), and sub-programs are bf16-only (W_FMT
 
 from __future__ import annotations
 
+import torch
+
 from nhil.compiler.builder import ProgramBuilder
 from nhil.compiler.lower_attention import lower_bias
+from nhil.compiler.lowering import LowerCtx, lowering, numel, where
 from nhil.errors import CompileError
 
 
@@ -176,3 +179,36 @@ def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict,
         gate = b.buffer(f"{pre}.shared.gate", 1)
         b.gemv(b.place_matrix(sn, sw), x_buf, gate)
     return {"y": y, "gate": gate, "mac_ab": sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB")}
+
+
+_MOE_POSITIONAL = ("score_func", "norm_topk_prob", "act", "score_bias", "n_group", "topk_group", "routed_scaling_factor")
+
+
+@lowering("nhil::moe")
+def _moe(cx: LowerCtx, node) -> None:
+    """Router GEMV on PIM, routing on the host, only routed experts issued (:func:`lower_moe`).
+
+    Raises:
+        CompileError: an expert activation other than ``silu`` / ``swiglu_clamp``, or an output
+            shape that differs from the input's.
+    """
+    x, rw, gu, dw, n_exp, top_k = node.args[:6]
+    attrs = dict(zip(_MOE_POSITIONAL, node.args[6:]))
+    if attrs.get("act", "silu") not in ("silu", "swiglu_clamp") or numel(node) != numel(x):
+        raise CompileError(f"no lowering for this nhil::moe (act {attrs.get('act')}) at {where(node)}")
+    w = {"router": (cx.const_name(rw), cx.const(rw)), "gate_up": (cx.const_name(gu), cx.const(gu)), "down": (cx.const_name(dw), cx.const(dw))}
+    sb = attrs.pop("score_bias", None)
+    if sb is not None:  # DeepSeek-V3 routing attributes (primitives.moe_routing)
+        w["score_bias"] = (cx.const_name(sb), cx.const(sb))
+        attrs.update(n_group=int(attrs.get("n_group", 1)), topk_group=int(attrs.get("topk_group", 1)),
+                     routed_scaling_factor=float(attrs.get("routed_scaling_factor", 1.0)))
+    else:
+        for a in ("n_group", "topk_group", "routed_scaling_factor"):
+            attrs.pop(a, None)
+    for key, t in node.kwargs.items():  # keyword-only attributes: optional weights (None when absent) and variant attrs
+        if isinstance(t, torch.fx.Node):
+            w[key] = (cx.const_name(t), cx.const(t))
+        elif t is not None:
+            attrs[key] = t
+    attrs = dict(attrs, num_experts=n_exp, top_k=top_k, score_func=attrs.get("score_func", "softmax"), norm_topk_prob=attrs.get("norm_topk_prob", True))
+    cx.moe_info.append(lower_moe(cx.b, cx.arg(x), node.name, w, attrs, layer=len(cx.moe_info)))

@@ -391,11 +391,17 @@ def raise_graph(ep: torch.export.ExportedProgram, kind: str, strict: bool = True
 
     Raises:
         CompileError: unknown ``kind``; an unraised op (strict), naming op, module path and
-            source ``file:line``; or the raised graph is not bit-identical.
+            source ``file:line``; a primitive attribute outside its definition
+            (:func:`nhil.compiler.attr_checks.check_attributes`: names attribute, value and
+            module path); or the raised graph is not bit-identical.
     """
     if kind not in ("prefill", "decode"):
         raise CompileError(f"raise_graph kind must be 'prefill' or 'decode', got {kind!r}")
     raised = Raiser(ep, kind).run(strict)
+    if raised.gm is not None:  # config attributes (soft-cap, window, head counts, ...) before anything runs
+        from nhil.compiler.attr_checks import check_attributes
+
+        check_attributes(raised.gm)
     if check and raised.gm is not None:
         from nhil.compiler.check import check_raised_exact, example_inputs
 

@@ -206,10 +206,45 @@ def layer_map(program: Program) -> list[str]:
     return out
 
 
+def timed_order(program: Program) -> list[int]:
+    """Instruction indices in the order one decode step issues them.
+
+    Without MoE this is the program order. MoE expert sub-programs (``HOST moe_expert``
+    marker up to the next marker or ``HOST moe_dispatch``, ``nhil.compiler.lower_moe``) are
+    not part of the linear stream: the runtime runs the routed ones at the dispatch
+    (``nhil.runtime.executor.Runner``). The timing runs the sub-programs of the first
+    ``top_k`` experts there: every expert of a layer has the same placement shape, so the
+    time does not depend on which experts the router picks. The markers themselves are
+    not issued (the runtime skips them too).
+    """
+    instrs, hops = program.instrs, program.host_ops
+    if not any(h.kernel == "moe_dispatch" for h in hops):
+        return list(range(len(instrs)))
+    linear: list[int] = []
+    subs: dict[int, list[int]] = {}  # marker host-op index -> its instructions
+    cur = None
+    for i, ins in enumerate(instrs):
+        kern = hops[ins.imm].kernel if ins.op is Op.HOST else None
+        if kern == "moe_expert":
+            cur = subs.setdefault(ins.imm, [])
+            continue
+        if kern == "moe_dispatch":
+            h = hops[ins.imm]
+            for m in h.attrs["experts"][: int(h.attrs["top_k"])]:
+                linear.extend(subs.get(m, []))
+            cur = None
+        (linear if cur is None else cur).append(i)
+    return linear
+
+
 def host_op_cycles(program: Program, hop, t: TimingTable) -> int:
-    """Host kernel time: fixed call cost + bytes moved (outputs x (inputs + 1), fp32) at ``host_gbs``."""
+    """Host kernel time: fixed call cost + bytes moved (outputs x (inputs + 1), fp32) at ``host_gbs``.
+
+    ``moe_dispatch`` reads the route and the ``top_k`` routed experts' outputs only.
+    """
     out_elems = sum(program.buffers.get(o, 0) for o in hop.outputs)
-    nbytes = 4 * out_elems * (1 + len(hop.inputs))
+    n_in = 1 + int(hop.attrs["top_k"]) if hop.kernel == "moe_dispatch" else len(hop.inputs)
+    nbytes = 4 * out_elems * (1 + n_in)
     ns = t.host_op_ns + nbytes / t.host_gbs
     return int(math.ceil(ns / t.tck_ns))
 
@@ -640,8 +675,8 @@ class TimingEngine:
     def run_program(self, program: Program | None = None, pos: int = 0) -> TimingStats:
         """Time one run of ``program`` (position-relative instructions bound at ``pos``)."""
         p = program or self.program
-        for i, ins in enumerate(p.instrs):
-            self.add(i, bind_template(ins, self.d, pos))
+        for i in timed_order(p):
+            self.add(i, bind_template(p.instrs[i], self.d, pos))
         return self.stats
 
     def commands(self) -> list[Cmd]:
