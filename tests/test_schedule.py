@@ -104,8 +104,8 @@ def _gemv_prog(passes, n_out=64, n_in=256, gemvs=1, chain=False):
     """``gemvs`` GEMVs of [n_out, n_in] on rtl-tiny, compiled under ``passes``: all read ``x`` and a HOST op follows, or (``chain``) each reads the previous output."""
     pm = PassManager(passes)
 
-    def build():
-        b = ProgramBuilder(D)
+    def build(passes=None):
+        b = ProgramBuilder(D, passes)
         x = b.buffer("x", n_in)
         for i in range(gemvs):
             w = np.cos(np.arange(n_out * n_in, dtype=np.float32) * (0.37 + i)).reshape(n_out, n_in)
@@ -243,8 +243,8 @@ def test_bank_spread_places_outputs_over_every_channel():
     d = DEVICE_PRESETS["fpga-small"]
     w = np.sin(np.arange(64 * 1024, dtype=np.float32) * 0.11).reshape(64, 1024)
 
-    def build():
-        b = ProgramBuilder(d)
+    def build(passes=None):
+        b = ProgramBuilder(d, passes)
         b.gemv(b.place_matrix("w", w), b.buffer("x", 1024), b.buffer("y", 64))
         return b.finish({"inputs": {}, "outputs": {"y": "y"}}, {"model": "hand"})
 

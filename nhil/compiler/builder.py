@@ -15,7 +15,7 @@ row allocator of the banks, and the GEMV placement and instruction sequence
   its K products in burst order, exactly the contract of ``nhil.numerics.mac``.
 
 The GEMV emission honours the lower-stage scheduling passes in effect
-(``nhil.compiler.schedule.lowering_passes``, all on by default): without ``bank-spread``
+(the ``passes`` it is built with, every pass by default; ``nhil.compiler.pipeline`` passes its list): without ``bank-spread``
 a bf16 matrix fills channel 0's banks only (``banks`` outputs per row-group, single-channel
 MAC_AB/WR_ACC/RD_ACC); without ``row-locality`` each chunk's MACs are cut into column pieces interleaved across
 accumulators, without ``vector-reuse`` the chunk is re-broadcast before every MAC, without
@@ -69,7 +69,7 @@ class MatrixPlacement:
 class ProgramBuilder:
     """Accumulates a :class:`~nhil.isa.program.Program` for ``device``."""
 
-    def __init__(self, device: DeviceConfig) -> None:
+    def __init__(self, device: DeviceConfig, passes=None) -> None:
         self.d = device
         self.instrs: list[Instr] = []
         self.operands: list[Operand] = []
@@ -84,9 +84,9 @@ class ProgramBuilder:
         self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
         self._wfmt = 0  # CFR W_FMT value in effect (0 = bf16, the reset value)
         self._want_wfmt = 0  # W_FMT the next MAC needs (gemv of a quantized matrix sets it)
-        from nhil.compiler.schedule import lowering_passes
+        from nhil.compiler.schedule import PIPELINE
 
-        self.passes = lowering_passes()  # scheduling passes in effect (nhil.compiler.schedule)
+        self.passes = frozenset(PIPELINE if passes is None else passes)  # lower-stage scheduling passes in effect (nhil.compiler.schedule)
 
     # ------------------------------------------------------------ tables
     def buffer(self, name: str, size: int) -> str:

@@ -33,7 +33,7 @@ from nhil.isa.device import DeviceConfig
 from nhil.isa.program import Program
 
 
-def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_name: str = "?", weight_format: str = "bf16", quant=None) -> Program:
+def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_name: str = "?", weight_format: str = "bf16", quant=None, passes=None) -> Program:
     """Lower a raised decode-step graph (one token, static KV cache) to a Program.
 
     Args:
@@ -45,6 +45,10 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             weight (by its graph constant name) a format (``QTensor``) or ``None`` (bf16).
             Only ``linear`` lowering reads it; the program's ``info["weight_formats"]``
             then lists every format used.
+        passes: the lower-stage scheduling passes the builder honours (names of
+            ``nhil.compiler.schedule.PASS_INFO``; None = every pass); program-stage ones are
+            run after lowering by ``nhil.compiler.pipeline.PassManager``.
+
     Every ``nhil::<op>`` node is lowered by ``LOWERINGS["nhil::<op>"]`` (``nhil.compiler.lowering``);
     graph constants may be meta tensors (shape-only compiles: placements without bank images).
 
@@ -56,7 +60,7 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     """
     if weight_format != "bf16" and quant is None:
         raise CompileError(f"weight format {weight_format!r} is not supported by ISA v0 lowering (bf16 only); see the quantization issue")
-    cx = LowerCtx(ProgramBuilder(device), quant=quant)
+    cx = LowerCtx(ProgramBuilder(device, passes), quant=quant)
     for node in gm.graph.nodes:
         _lower_node(cx, gm, node)
     b, outputs = cx.b, cx.outputs

@@ -73,10 +73,10 @@ class PassManager:
     Usage::
 
         pm = PassManager(["row-locality", "gemv-batch"])
-        with pm.lowering():                 # lower-stage passes in effect for the builder
-            prog = lower_decode_graph(gm, device)
+        prog = lower_decode_graph(gm, device, passes=pm.passes)  # lower-stage passes, explicitly
         prog = pm.run(prog)                 # program-stage passes; records info["passes"]
         pm.log                              # [PassRecord, ...]
+        # or: pm.compile(lower_decode_graph, gm, device), which passes ``passes=`` itself
 
     Raises:
         SetupError: an unknown pass name (names the known ones).
@@ -94,19 +94,8 @@ class PassManager:
     def infos(self) -> list[PassInfo]:
         return [PASS_INFO[n] for n in self.passes]
 
-    @contextlib.contextmanager
-    def lowering(self):
-        """Context in which :class:`~nhil.compiler.builder.ProgramBuilder` sees this pass list."""
-        from nhil.compiler import schedule
-
-        tok = schedule._LOWERING.set(frozenset(self.passes))
-        try:
-            yield
-        finally:
-            schedule._LOWERING.reset(tok)
-
     def run(self, program):
-        """Run the program-stage passes in order on ``program`` (lowered under :meth:`lowering`).
+        """Run the program-stage passes in order on ``program`` (lowered with this pass list).
 
         Returns:
             The new Program, with ``info["passes"]`` = the enabled pass names; :attr:`log`
@@ -138,10 +127,9 @@ class PassManager:
         return dataclasses.replace(program, info=info)
 
     def compile(self, compile_fn: Callable[..., Any], *args, **kw):
-        """``compile_fn(*args, **kw)`` under :meth:`lowering`, then :meth:`run` (e.g. the shape-only compile)."""
-        with self.lowering():
-            p = compile_fn(*args, **kw)
-        return self.run(p)
+        """``compile_fn(*args, passes=self.passes, **kw)`` (a lowering entry point that takes the lower-stage pass list:
+        ``lower_decode_graph``, ``compile_shape_only``), then :meth:`run`."""
+        return self.run(compile_fn(*args, passes=self.passes, **kw))
 
 
 @dataclasses.dataclass
@@ -222,8 +210,7 @@ def lower(raised, device, *, plan=None, passes: Iterable[str] = DEFAULT_PASSES, 
 
     pm = PassManager(passes)
     with stage("lower"):
-        with pm.lowering():
-            program = lower_decode_graph(raised.gm, device, model_name=model_name, quant=plan)
+        program = lower_decode_graph(raised.gm, device, model_name=model_name, quant=plan, passes=pm.passes)
         program = pm.run(program)
     return program, pm
 

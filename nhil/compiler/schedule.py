@@ -5,8 +5,8 @@ baseline* is the program compiled with none of them, and the default pipeline
 (:data:`PIPELINE`) has all of them on. Passes run at one of three stages:
 
 * ``lower``: read by :class:`~nhil.compiler.builder.ProgramBuilder` while it places and
-  emits GEMVs (the builder asks :func:`lowering_passes`, which the manager sets for the
-  duration of a compile, ``nhil.compiler.pipeline.PassManager.lowering``);
+  emits GEMVs (it is built with the pass list: ``lower_decode_graph(..., passes=)``, which
+  ``nhil.compiler.pipeline`` passes explicitly);
 * ``program``: functions ``Program -> Program`` over the instruction stream;
 * ``command``: decisions of the command-level schedule (L1 -> L2), recorded in
   ``program.info["passes"]`` and honoured by the timing model (``nhil.timing``).
@@ -49,7 +49,6 @@ subset of passes (``tests/test_schedule.py`` runs llama-tiny on the simulator).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Callable
 
@@ -248,14 +247,6 @@ PASS_INFO: dict[str, PassInfo] = {
 PIPELINE: tuple[str, ...] = tuple(PASS_INFO)  # the default pipeline: every pass, in this order
 PASSES: dict[str, Callable[[Program], Program]] = {n: i.fn for n, i in PASS_INFO.items() if i.stage == "program"}  # Program -> Program passes
 NAIVE_PIECES = 4  # column pieces per row chunk without row-locality
-
-_LOWERING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("nhil_lowering_passes", default=frozenset(PIPELINE))
-
-
-def lowering_passes() -> frozenset:
-    """Names of the passes in effect for the builder (all of :data:`PIPELINE` unless a ``pipeline.PassManager`` compile says otherwise)."""
-    return _LOWERING.get()
-
 
 def apply_passes(p: Program, names: list[str]) -> Program:
     """Run the named program-stage passes in the given order (no lowering change)."""

@@ -107,7 +107,7 @@ def _devices(base: DeviceConfig, rows: int) -> DeviceConfig:
     return base if n == 1 else dataclasses.replace(base, name=f"{base.name} x{n}", rows=base.rows * n)
 
 
-def compile_shape_only(config: ShapeConfig | str, device: DeviceConfig | str = "aim-like", max_cache_len: int = 128) -> Program:
+def compile_shape_only(config: ShapeConfig | str, device: DeviceConfig | str = "aim-like", max_cache_len: int = 128, passes=None) -> Program:
     """Compile a decode step of ``config`` without weights (see the module docstring).
 
     Args:
@@ -115,6 +115,8 @@ def compile_shape_only(config: ShapeConfig | str, device: DeviceConfig | str = "
         device: a device preset or its name; the program's device is this one or N of them
             (:func:`device_for`).
         max_cache_len: KV-cache positions.
+        passes: lower-stage scheduling passes (None = every pass; ``nhil.compiler.pipeline.compile_shapes``
+            also runs the program-stage ones).
     Returns:
         A validated Program with ``info["shape_only"] = True``, ``info["row_use"]`` (row ->
         (slots, elements) used), ``info["placed_weight_bytes"]`` and ``info["devices"]``.
@@ -126,7 +128,7 @@ def compile_shape_only(config: ShapeConfig | str, device: DeviceConfig | str = "
 
     c = CONFIGS[config] if isinstance(config, str) else config
     base = DEVICE_PRESETS[device] if isinstance(device, str) else device
-    prog = lower_decode_graph(decode_graph(c, max_cache_len), dataclasses.replace(base, rows=_UNBOUNDED_ROWS), model_name=c.name)
+    prog = lower_decode_graph(decode_graph(c, max_cache_len), dataclasses.replace(base, rows=_UNBOUNDED_ROWS), model_name=c.name, passes=passes)
     d = _devices(base, prog.info["rows_used"])
     row_use = prog.info.get("row_use", {})
     prog.device = d
