@@ -57,3 +57,21 @@ def test_layer_extrapolation_matches_the_measured_program():
         ex = _layers_extrapolated(cfg, passes, "aim-like", 32, 3350.0)
         assert ex["cycles_per_token"] == pytest.approx(measured["cycles_per_token"], rel=0.01)
         assert ex["gemv"]["useful_bytes"] == measured["gemv"]["useful_bytes"]
+
+
+def test_moe_timing_issues_top_k_expert_sub_programs():
+    """The timing engine issues a MoE step as the runtime does: linear stream plus the sub-programs of top_k
+    experts per dispatch, no markers (before, every expert of the linear stream was timed)."""
+    from nhil.timing.engine import timed_order
+
+    cfg = ShapeConfig("moe-small", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=512, head_dim=64, num_local_experts=4, num_experts_per_tok=2)
+    p = compile_shape_only(cfg, max_cache_len=32)
+    order = timed_order(p)
+    macs = lambda idx: sum(1 for i in idx if p.instrs[i].op is Op.MAC_AB)  # noqa: E731
+    moe = p.info["moe"]
+    skipped = sum(sum(m["mac_ab_per_expert"][m["top_k"]:]) for m in moe)  # experts k..E-1 of every layer are not issued
+    assert macs(order) == macs(range(len(p.instrs))) - skipped > 0
+    markers = [i for i, ins in enumerate(p.instrs) if ins.op is Op.HOST and p.host_ops[ins.imm].kernel == "moe_expert"]
+    assert len(markers) == 2 * 4 and not set(markers) & set(order)
+    assert len(order) == len(set(order))
