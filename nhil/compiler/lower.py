@@ -240,7 +240,7 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
             moe_info.append(lower_moe(
                 b, arg_buf(x), out, moe_w,
                 dict(moe_attrs, num_experts=n_exp, top_k=top_k, score_func=moe_attrs.get("score_func", "softmax"), norm_topk_prob=moe_attrs.get("norm_topk_prob", True)),
-                layer=len(moe_info)))
+                layer=len(moe_info), quant=quant))
         elif op == "mla_kv":  # absorbed MLA: GEMVs and latent-cache attention in PIM, RoPE / softmax on the host (lower_mla)
             from nhil.compiler.lower_mla import lower_mla
 
@@ -273,6 +273,10 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     if moe_info:
         info["moe"] = moe_info  # data-dependent expert dispatch (lower_moe; docs/isa.md runtime section)
     if quant is not None:
+        formats_used, weight_bytes = {}, 0  # every placed matrix: linears, MoE experts, MLA slices
+        for p in b.placements.values():
+            formats_used[p.fmt] = formats_used.get(p.fmt, 0) + 1
+            weight_bytes += p.nbytes
         info["linear_sizes"] = [p.n_out * p.n_in for p in b.placements.values()]
         info["weight_formats"] = sorted(formats_used)
         info["quant"] = {"recipe": quant.describe(), "matrices_per_format": formats_used, "weight_bytes": weight_bytes,
