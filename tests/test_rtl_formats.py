@@ -132,3 +132,30 @@ def test_rtl_and_fpga_claim_exactly_the_formats_the_rtl_implements():
     kind, payload = board._dispatch(Frame(P.INFO, 0, 1, 0, b""), lambda b: None)
     info = json.loads(payload)
     assert info["backend"] == "sim" and set(info["formats"]) == set(RTL_FORMATS)
+
+
+def _verify_quantized(tmp_path, target: str, quant: str) -> dict:
+    from nhil.verify import VerifyOptions, verify
+
+    rep = verify(VerifyOptions(model="llama-tiny", target=target, tokens=2, quant=quant, goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
+    assert rep["outcome"] == "PASS", rep.get("error")
+    assert set(rep["quant"]["weight_formats"]) == set(quant.replace(":lm_head=", ",").split(","))  # the program really is quantized
+    ls = rep["target_stats"]["lockstep"]
+    assert ls["syncs_compared"] > 0 and ls["readbacks_compared"] > 0 and ls["first_mismatch"] is None
+    assert next(c for c in rep["checks"] if c["name"] == "bit_identical_to_sim")["passed"]
+    return rep
+
+
+@pytest.mark.rtl
+@needs_tools
+def test_quantized_llama_tiny_verifies_on_rtl_in_lockstep_with_the_simulator(tmp_path):
+    """`make verify MODEL=llama-tiny TARGET=rtl QUANT=q4_1:lm_head=mxfp6` in the default test run: GGUF Q4_1 blocks (with the
+    activation-sum term) and an MXFP6 LM head, bit-identical to the simulator at every SYNC."""
+    rep = _verify_quantized(tmp_path, "rtl", "q4_1:lm_head=mxfp6-e2m3")
+    assert rep["target_stats"]["instructions"]["SET_CFR"] > 0
+
+
+@pytest.mark.fpga
+def test_quantized_llama_tiny_verifies_on_the_fpga_board_in_lockstep_with_the_simulator(tmp_path):
+    """The board emulator (default backend) over the serial link: int4-g128 linears and an NVFP4 LM head."""
+    _verify_quantized(tmp_path, "fpga", "int4-g128:lm_head=nvfp4")
