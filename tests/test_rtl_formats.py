@@ -159,3 +159,43 @@ def test_quantized_llama_tiny_verifies_on_rtl_in_lockstep_with_the_simulator(tmp
 def test_quantized_llama_tiny_verifies_on_the_fpga_board_in_lockstep_with_the_simulator(tmp_path):
     """The board emulator (default backend) over the serial link: int4-g128 linears and an NVFP4 LM head."""
     _verify_quantized(tmp_path, "fpga", "int4-g128:lm_head=nvfp4")
+
+
+def test_moe_experts_take_the_recipe_and_their_sub_programs_end_with_bf16():
+    """qwen2_moe (routed + shared experts) under q8_0: every expert and shared-expert matrix is Q8_0, the router and the
+    shared expert's sigmoid gate stay bf16, and each expert sub-program sets W_FMT and resets it to 0 before its SYNC."""
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.compiler.quantize import build_plan
+    from nhil.isa.instr import CFR_W_FMT
+    from nhil.models import get_model
+
+    gm = raise_graph(export_decode(get_model("qwen2_moe").model, 16)[0], "decode").gm
+    prog = lower_decode_graph(gm, DEV, model_name="qwen2_moe", quant=build_plan("q8_0", gm))
+    fmts = {n: p["format"] for n, p in prog.info["quant"]["placements"].items()}
+    experts = {n: f for n, f in fmts.items() if ".experts." in n or "shared_expert." in n}
+    routers = {n: f for n, f in fmts.items() if n.endswith("mlp.gate.weight") or "shared_expert_gate" in n}
+    assert experts and set(experts.values()) == {"q8_0"}, experts
+    assert routers and set(routers.values()) == {"bf16"}, routers
+    assert "q8_0" in prog.info["weight_formats"]
+    for m in prog.info["moe"]:
+        for e in m["expert_markers"]:
+            at = next(i for i, ins in enumerate(prog.instrs) if ins.op is Op.HOST and ins.imm == e)
+            end = next(i for i in range(at + 1, len(prog.instrs)) if prog.instrs[i].op is Op.HOST and prog.host_ops[prog.instrs[i].imm].kernel in ("moe_expert", "moe_dispatch"))
+            wf = [ins.imm for ins in prog.instrs[at:end] if ins.op is Op.SET_CFR and ins.k == CFR_W_FMT]
+            assert wf and wf[0] == FORMATS["q8_0"].code and wf[-1] == 0, (e, wf)
+            last_sync = max(i for i in range(at, end) if prog.instrs[i].op is Op.SYNC)
+            assert [ins.op for ins in prog.instrs[last_sync - 1 : last_sync + 1]] == [Op.SET_CFR, Op.SYNC]
+
+
+@pytest.mark.rtl
+@needs_tools
+def test_quantized_moe_verifies_on_rtl_in_lockstep_with_the_simulator(tmp_path):
+    """qwen2_moe with Q8_0 experts (only the routed ones issued, in data-dependent order) on the RTL, bit-identical at every SYNC."""
+    from nhil.verify import VerifyOptions, verify
+
+    rep = verify(VerifyOptions(model="qwen2_moe", target="rtl", tokens=2, quant="q8_0", goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
+    assert rep["outcome"] == "PASS", rep.get("error")
+    assert "q8_0" in rep["quant"]["weight_formats"]
+    ls = rep["target_stats"]["lockstep"]
+    assert ls["syncs_compared"] > 0 and ls["first_mismatch"] is None
