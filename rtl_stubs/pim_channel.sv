@@ -174,7 +174,7 @@ module pim_channel #(
 
   // open-row fetch of burst burst_i in format wfmt: element window, record window, header
   // (burst 0); bursts past the row read as zero
-  int wf_idx[4];
+  logic [63:0] wf_idx;
   logic [3:0] wf_ok;
   logic [4:0] se, sr;
   logic nib_hi;
@@ -186,7 +186,7 @@ module pim_channel #(
       .BURSTS(BURSTS)
   ) u_wfetch (
       .fmt(mac_fmt),
-      .j(burst_i),
+      .j(16'(burst_i)),
       .idx(wf_idx),
       .ok(wf_ok),
       .eshift(se),
@@ -195,10 +195,8 @@ module pim_channel #(
       .valid(wf_valid)
   );
   assign base_i = int'(row_r) * BURSTS;
-  always_comb begin
-    for (int x = 0; x < 4; x++) bk_xaddr[AW*x+:AW] = AW'(base_i + wf_idx[x]);
-    bk_xaddr[AW*4+:AW] = AW'(base_i);
-  end
+  assign bk_xaddr = {AW'(base_i), AW'(base_i + int'(wf_idx[63:48])), AW'(base_i + int'(wf_idx[47:32])),
+                     AW'(base_i + int'(wf_idx[31:16])), AW'(base_i + int'(wf_idx[15:0]))};
 
   // dot16 of the activations alone (GGUF Q4_1's min term): one more tree, shared by the banks
   logic [31:0] mac_sa;

@@ -74,7 +74,7 @@ module pim_dp_probe #(
   );
 
   // ---------------------------------------------------------------- quantized burst (16 lanes)
-  int idx[4];
+  logic [63:0] idx;
   logic [3:0] ok;
   logic [4:0] es, rs;
   logic hi;
@@ -85,7 +85,7 @@ module pim_dp_probe #(
       .BURSTS(PROBE_BURSTS)
   ) u_fetch (
       .fmt(q_fmt),
-      .j(int'(q_j)),
+      .j({8'd0, q_j}),
       .idx(idx),
       .ok(ok),
       .eshift(es),
@@ -94,7 +94,7 @@ module pim_dp_probe #(
       .valid(valid)
   );
   logic [255:0] x[4];
-  always_comb for (int k = 0; k < 4; k++) x[k] = ok[k] ? q_row[256*idx[k]+:256] : '0;
+  always_comb for (int k = 0; k < 4; k++) x[k] = ok[k] ? q_row[256*int'(idx[16*k+:16])+:256] : '0;
 
   logic [16*LANE_W-1:0] ql, ones;
   logic [31:0] c1, c2, m, sa;

@@ -258,6 +258,7 @@ package pim_fp_pkg;
       8'h32: begin rec = 4; bb = 20; gg = 1'b1; end
       default: ok = 1'b0;
     endcase
+    if (!ok) return '0;  // bf16 or unknown: no fetch (addresses stay put outside quantized MACs)
     nb = j >> lblk;
     q = j & ((1 << lblk) - 1);
     roff = 16'(hdr + nb * bb);

@@ -90,43 +90,35 @@ module pim_wdec #(
     endcase
   endfunction
 
-  always_comb begin
-    lanes = '0;
-    c1 = 32'd0;
-    c2 = 32'd0;
-    m = 32'd0;
-    use_c1 = 1'b0;
-    use_c2 = 1'b0;
-    use_m = 1'b0;
-    if (fmt == 8'h00) begin
-      for (int i = 0; i < LANES; i++) lanes[LANE_W*i+:LANE_W] = dec_bf16(bf[16*i+:16]);
+  // The whole burst is decoded in functions and assigned once (a lane-by-lane always_comb would
+  // wake the MAC tree behind it once per lane in event-driven simulators such as Icarus).
+  function automatic logic [LANES*LANE_W-1:0] dec_lanes(input logic [7:0] f, input logic [LANES*16-1:0] w, input logic [255:0] e,
+                                                         input logic [7:0] z, input logic hi);
+    /* verilator no_inline_task */
+    logic [LANES*LANE_W-1:0] l;
+    l = '0;
+    if (f == 8'h00) begin
+      for (int i = 0; i < LANES; i++) l[LANE_W*i+:LANE_W] = dec_bf16(w[16*i+:16]);
     end else begin
-      for (int i = 0; i < QL; i++) lanes[LANE_W*i+:LANE_W] = dec_elem(fmt, ew, rw[23:16], nib_hi, i);
-      case (fmt)
-        8'h02, 8'h03, 8'h04: begin
-          c1 = hdr;
-          use_c1 = 1'b1;
-        end
-        8'h10, 8'h11, 8'h12, 8'h13, 8'h14, 8'h15, 8'h30, 8'h31, 8'h32: begin
-          c1 = lane_to_f32(dec_minifloat(rw[15:0], 5, 10, 15, 2, 1'b1));
-          use_c1 = 1'b1;
-          if (fmt == 8'h32) begin
-            m = lane_to_f32(dec_minifloat(rw[31:16], 5, 10, 15, 2, 1'b1));
-            use_m = 1'b1;
-          end
-        end
-        8'h20, 8'h21, 8'h22, 8'h23, 8'h24, 8'h25, 8'h26, 8'h27: begin
-          c1 = (rw[7:0] == 8'hFF) ? F32_QNAN : lane_to_f32(lane_num(1'b0, int'(rw[7:0]) - 127, 1));  // E8M0
-          use_c1 = 1'b1;
-        end
-        8'h28: begin
-          c1 = lane_to_f32(dec_minifloat({8'd0, rw[7:0]}, 4, 3, 7, 1, 1'b0));  // UE4M3 (bit 7 ignored)
-          c2 = hdr;
-          use_c1 = 1'b1;
-          use_c2 = 1'b1;
-        end
-        default: ;
-      endcase
+      for (int i = 0; i < QL; i++) l[LANE_W*i+:LANE_W] = dec_elem(f, e, z, hi, i);
     end
-  end
+    return l;
+  endfunction
+
+  // {use_m, use_c2, use_c1, m, c2, c1}
+  function automatic logic [98:0] dec_scales(input logic [7:0] f, input logic [31:0] r, input logic [31:0] h);
+    /* verilator no_inline_task */
+    case (f)
+      8'h02, 8'h03, 8'h04: return {3'b001, 64'd0, h};
+      8'h10, 8'h11, 8'h12, 8'h13, 8'h14, 8'h15, 8'h30, 8'h31: return {3'b001, 64'd0, lane_to_f32(dec_minifloat(r[15:0], 5, 10, 15, 2, 1'b1))};
+      8'h32: return {3'b101, lane_to_f32(dec_minifloat(r[31:16], 5, 10, 15, 2, 1'b1)), 32'd0, lane_to_f32(dec_minifloat(r[15:0], 5, 10, 15, 2, 1'b1))};
+      8'h20, 8'h21, 8'h22, 8'h23, 8'h24, 8'h25, 8'h26, 8'h27:  // E8M0
+      return {3'b001, 64'd0, (r[7:0] == 8'hFF) ? F32_QNAN : lane_to_f32(lane_num(1'b0, int'(r[7:0]) - 127, 1))};
+      8'h28: return {3'b011, 32'd0, h, lane_to_f32(dec_minifloat({8'd0, r[7:0]}, 4, 3, 7, 1, 1'b0))};  // UE4M3 (bit 7 ignored), tensor scale
+      default: return '0;
+    endcase
+  endfunction
+
+  assign lanes = dec_lanes(fmt, bf, ew, rw[23:16], nib_hi);
+  assign {use_m, use_c2, use_c1, m, c2, c1} = dec_scales(fmt, rw, hdr);
 endmodule

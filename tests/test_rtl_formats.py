@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -199,3 +200,16 @@ def test_quantized_moe_verifies_on_rtl_in_lockstep_with_the_simulator(tmp_path):
     assert "q8_0" in rep["quant"]["weight_formats"]
     ls = rep["target_stats"]["lockstep"]
     assert ls["syncs_compared"] > 0 and ls["first_mismatch"] is None
+
+
+@pytest.mark.rtl
+@pytest.mark.skipif(shutil.which("iverilog") is None, reason="Icarus Verilog not installed (apt-get install -y iverilog)")
+@needs_tools
+def test_icarus_runs_quantized_gemvs_bit_identically():
+    """The second simulator: one GEMV per element family (int4 zero points, FP6, NVFP4's two scales, Q4_1's min, fp16)."""
+    prog = _format_program(["int4-g32-asym", "mxfp6-e3m2", "nvfp4", "q4_1", "fp16"], seed=8)
+    sim, o_sim = _run(prog, SimTarget(device=DEV))
+    with RtlTarget(simulator="icarus") as t:
+        rt, o_rtl = _run(prog, t)
+    assert first_difference(prog, sim, rt) is None, first_difference(prog, sim, rt)
+    assert all(_same(o_sim[k], o_rtl[k]) for k in o_sim)
