@@ -92,7 +92,9 @@ def _fpga_rows(r: dict) -> list:
     return bench_rows()
 
 
-ROW_PROVIDERS += [_rtl_rows, _fpga_rows]
+from nhil.targets.rtl.bench import format_rows_provider  # noqa: E402  (RTL rows per weight-format family)
+
+ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider]
 SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
 
 

@@ -1,5 +1,8 @@
 // pim_bank: one DRAM bank of a PIM channel, stored as ROWS*BURSTS bursts of LANES bf16.
-// One write port (lane-masked), one asynchronous read port (address = row*BURSTS + burst).
+// One write port (lane-masked), one asynchronous read port (address = row*BURSTS + burst),
+// and NX more asynchronous read ports into the same row (xaddr/xdata, packed NX-wide): the
+// open-row reads a quantized MAC needs for a burst's element codes, block record and row
+// header, which sit at byte offsets that are not burst-aligned (pim_fp_pkg::wfmt_fetch).
 //
 // Simulation backdoor (not synthesized, `ifndef SYNTHESIS): a bd_clear pulse zeroes the
 // whole bank on the next clock edge; a bd_load pulse then loads the bank image from
@@ -19,7 +22,8 @@ module pim_bank #(
     parameter int LANES   = 16,
     parameter int BANK_ID = 0,
     parameter int AW      = $clog2(ROWS * BURSTS),
-    parameter int BW      = LANES * 16
+    parameter int BW      = LANES * 16,
+    parameter int NX      = 5
 ) (
     input  logic             clk,
     input  logic             we,
@@ -28,6 +32,8 @@ module pim_bank #(
     input  logic [   BW-1:0] wdata,
     input  logic [   AW-1:0] raddr,
     output logic [   BW-1:0] rdata,
+    input  logic [NX*AW-1:0] xaddr,
+    output logic [NX*BW-1:0] xdata,
     input  logic             bd_clear,  // simulation backdoor (see header)
     input  logic             bd_load
 );
@@ -41,6 +47,9 @@ module pim_bank #(
   end
 
   assign rdata = mem[raddr];
+  for (genvar x = 0; x < NX; x++) begin : g_x
+    assign xdata[BW*x+:BW] = mem[xaddr[AW*x+:AW]];
+  end
 
 `ifndef SYNTHESIS
   string memdir;

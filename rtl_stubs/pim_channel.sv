@@ -15,6 +15,12 @@
 //
 // One burst per clock: MAC_AB/MAC_SB/COPY_* take n cycles after the instruction beat; all
 // banks' MAC units (pim_mac) work in parallel on MAC_AB.
+//
+// Weight formats (CFR 1 = W_FMT, docs/isa.md): with W_FMT != 0 a MAC reads its row as bytes
+// in that format. For burst j the channel computes the byte offsets of the burst's element
+// codes and block record (pim_fp_pkg::wfmt_fetch), reads the two bursts around each and the
+// row's first burst (header) through the banks' open-row ports, and each bank's pim_wdec
+// decodes its lanes and scales for its pim_mac. Quantized formats need LANES == 16.
 `timescale 1ns / 1ps
 
 module pim_channel #(
@@ -93,11 +99,14 @@ module pim_channel #(
   logic [KW-1:0] k_r;
   logic drop_r;  // malformed instruction: consume its beats, write nothing, read zeros
   logic cfr_bf16;
+  logic [7:0] wfmt;  // CFR 1 (W_FMT): 0 bf16, else a weight-format code
   logic [DW-1:0] gb[GB_BURSTS];
   logic [31:0] acc[BANKS][ACCS];
 
   // ------------------------------------------------------------------ banks
   logic [DW-1:0] bk_rdata[BANKS];
+  logic [5*DW-1:0] bk_xdata[BANKS];
+  logic [5*AW-1:0] bk_xaddr;
   logic [BANKS-1:0] bk_we;
   logic [LANES-1:0] bk_wmask;
   logic [AW-1:0] bk_waddr, bk_raddr;
@@ -148,6 +157,8 @@ module pim_channel #(
         .wdata(bk_wdata),
         .raddr(bk_raddr),
         .rdata(bk_rdata[b]),
+        .xaddr(bk_xaddr),
+        .xdata(bk_xdata[b]),
         .bd_clear(bd_clear),
         .bd_load(bd_load)
     );
@@ -157,19 +168,109 @@ module pim_channel #(
   wire mac_cyc = exec_cyc && !drop_r && (op_r == OP_MAC_AB || op_r == OP_MAC_SB);
   logic [DW-1:0] mac_a;
   logic [31:0] mac_out[BANKS];
+  logic [7:0] mac_fmt;
   assign mac_a = mac_cyc ? gb[gb_idx] : '0;  // inputs held at zero outside MAC cycles
+  assign mac_fmt = mac_cyc ? wfmt : 8'd0;
+
+  // open-row fetch of burst burst_i in format wfmt: element window, record window, header
+  // (burst 0); bursts past the row read as zero
+  logic [63:0] wf_idx;
+  logic [3:0] wf_ok;
+  logic [4:0] se, sr;
+  logic nib_hi;
+  /* verilator lint_off UNUSEDSIGNAL */
+  logic wf_valid;  // checked when SET_CFR writes W_FMT
+  int base_i;  // truncated to AW bits (the host checks row ranges)
+  /* verilator lint_on UNUSEDSIGNAL */
+  pim_wfetch #(
+      .BURSTS(BURSTS)
+  ) u_wfetch (
+      .fmt(mac_fmt),
+      .j(16'(burst_i)),
+      .idx(wf_idx),
+      .ok(wf_ok),
+      .eshift(se),
+      .rshift(sr),
+      .nib_hi(nib_hi),
+      .valid(wf_valid)
+  );
+  assign base_i = int'(row_r) * BURSTS;
+  assign bk_xaddr = {AW'(base_i), AW'(base_i + int'(wf_idx[63:48])), AW'(base_i + int'(wf_idx[47:32])),
+                     AW'(base_i + int'(wf_idx[31:16])), AW'(base_i + int'(wf_idx[15:0]))};
+
+  // dot16 of the activations alone (GGUF Q4_1's min term): one more tree, shared by the banks
+  logic [31:0] mac_sa;
+  logic [LANES*LANE_W-1:0] ones;
+  always_comb for (int i = 0; i < LANES; i++) ones[LANE_W*i+:LANE_W] = LANE_ONE;
+  /* verilator lint_off PINCONNECTEMPTY */
+  pim_mac #(
+      .LANES(LANES)
+  ) u_asum (
+      .w_i(ones),
+      .a_i(mac_fmt == 8'h32 ? mac_a : '0),
+      .c1_i(32'd0),
+      .c2_i(32'd0),
+      .m_i(32'd0),
+      .use_c1(1'b0),
+      .use_c2(1'b0),
+      .use_m(1'b0),
+      .sa_i(32'd0),
+      .acc_i(32'd0),
+      .dot_o(mac_sa),
+      .t_o(),
+      .acc_o()
+  );
+  /* verilator lint_on PINCONNECTEMPTY */
 
   for (genvar b = 0; b < BANKS; b++) begin : g_mac
-    logic [31:0] dot_unused;
+    logic [LANES*LANE_W-1:0] lanes;
+    logic [31:0] c1, c2, m;
+    logic u1, u2, um;
+    logic [DW-1:0] x0, x1, x2, x3;
+    logic [31:0] x4;  // the row header (bytes 0..3)
+    assign x0 = wf_ok[0] ? bk_xdata[b][DW*0+:DW] : '0;
+    assign x1 = wf_ok[1] ? bk_xdata[b][DW*1+:DW] : '0;
+    assign x2 = wf_ok[2] ? bk_xdata[b][DW*2+:DW] : '0;
+    assign x3 = wf_ok[3] ? bk_xdata[b][DW*3+:DW] : '0;
+    assign x4 = bk_xdata[b][DW*4+:32];
+    pim_wdec #(
+        .LANES(LANES)
+    ) u_wdec (
+        .fmt(mac_fmt),
+        .bf(mac_cyc ? bk_rdata[b] : '0),
+        .ewin(512'({x1, x0})),
+        .eshift(se),
+        .rwin(512'({x3, x2})),
+        .rshift(sr),
+        .hdr(x4),
+        .nib_hi(nib_hi),
+        .lanes(lanes),
+        .c1(c1),
+        .c2(c2),
+        .m(m),
+        .use_c1(u1),
+        .use_c2(u2),
+        .use_m(um)
+    );
+    /* verilator lint_off PINCONNECTEMPTY */
     pim_mac #(
         .LANES(LANES)
     ) u_mac (
-        .w_i  (mac_cyc ? bk_rdata[b] : '0),
-        .a_i  (mac_a),
+        .w_i(lanes),
+        .a_i(mac_a),
+        .c1_i(c1),
+        .c2_i(c2),
+        .m_i(m),
+        .use_c1(u1),
+        .use_c2(u2),
+        .use_m(um),
+        .sa_i(mac_sa),
         .acc_i(mac_cyc ? acc[b][k_r] : 32'd0),
-        .dot_o(dot_unused),
+        .dot_o(),
+        .t_o(),
         .acc_o(mac_out[b])
     );
+    /* verilator lint_on PINCONNECTEMPTY */
   end
 
   // ------------------------------------------------------------------ decode checks
@@ -177,6 +278,10 @@ module pim_channel #(
   logic [15:0] cycles;  // execution cycles / readback beats
   logic bad;
   int lim;
+  /* verilator lint_off UNUSEDSIGNAL */
+  logic [33:0] imm_fmt;  // geometry of the W_FMT code a SET_CFR writes (only its valid bit is used)
+  /* verilator lint_on UNUSEDSIGNAL */
+  assign imm_fmt = wfmt_fetch(f_imm[7:0], 0);
   always_comb begin
     beats_in = 16'd0;
     cycles = f_n;
@@ -196,7 +301,9 @@ module pim_channel #(
     endcase
     case (f_op)
       OP_NOP, OP_SYNC, OP_EOC: ;
-      OP_SET_CFR: bad = bad || f_k != 8'd0 || f_imm > 16'd1;
+      OP_SET_CFR:
+      bad = bad || !((f_k == 8'd0 && f_imm <= 16'd1) ||
+                     (f_k == 8'd1 && (f_imm == 16'd0 || (LANES == 16 && f_imm[15:8] == 8'd0 && imm_fmt[33]))));
       OP_WR_ACC, OP_RD_ACC:
       bad = bad || int'(f_k) >= ACCS || f_n == 16'd0 || int'(f_col) + int'(f_n) > BANKS;
       OP_WR_SBK:
@@ -240,6 +347,7 @@ module pim_channel #(
     if (!rst_n) begin
       st <= S_IDLE;
       cfr_bf16 <= 1'b0;
+      wfmt <= 8'd0;
       err_o <= 1'b0;
       drop_r <= 1'b0;
       cnt <= '0;
@@ -272,7 +380,11 @@ module pim_channel #(
               last <= cycles - 16'd1;
               if (cycles != 16'd0) st <= S_OUT;
             end
-            OP_SET_CFR: if (!bad) cfr_bf16 <= f_imm[0];
+            OP_SET_CFR:
+            if (!bad) begin
+              if (f_k == 8'd0) cfr_bf16 <= f_imm[0];
+              else wfmt <= f_imm[7:0];
+            end
             OP_SYNC: sync_o <= 1'b1;
             OP_EOC: eoc_o <= 1'b1;
             default: ;

@@ -201,14 +201,17 @@ def test_native_gguf_blocks_are_in_the_bank_images_unchanged():
 
 
 @pytest.mark.rtl
-def test_verify_of_a_format_the_target_does_not_claim_is_skipped_not_passed(tmp_path):
-    """RTL claims bf16 only (capabilities()); an int8 program is SKIPPED with 'not claimed', exit != PASS."""
+def test_verify_of_a_format_the_target_does_not_claim_is_skipped_not_passed(tmp_path, monkeypatch):
+    """An RTL drop that claims bf16 only (capabilities(); here the stub's claim narrowed to bf16): an int8
+    program is SKIPPED with 'not claimed', exit != PASS."""
     from nhil.targets import get_target
+    from nhil.targets.rtl import target as rtl_target
     from nhil.verify import VerifyOptions, verify
 
+    monkeypatch.setattr(rtl_target, "rtl_formats", lambda d: frozenset({"bf16"}))
     t = get_target("rtl")
     try:
-        assert "int8" not in t.capabilities().formats  # the premise: if RTL gains int8, pick another format
+        assert "int8" not in t.capabilities().formats  # the premise
     finally:
         t.close()
     rep = verify(VerifyOptions(model="llama-tiny", target="rtl", tokens=2, quant="int8", goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
@@ -341,22 +344,25 @@ def test_native_gguf_sim_equals_quantized_reference_on_llama():
     assert all(np.array_equal(_bits(sim.acts[k]), _bits(ref.acts[k])) for k in sim.acts)
 
 
-@pytest.mark.parametrize("target", ["rtl", "fpga"])
-def test_rtl_and_fpga_refuse_a_quantized_llama_tiny_program_at_load(target, tiny_decode):
-    """ISA v0 RTL and the board (emulator) implement bf16 weights only: loading a quantized program is a
-    LoadError naming the missing format and what the target supports, before anything runs on it
-    (RTL: before Verilator is started; FPGA: from the board's INFO reply, before LOAD_PROGRAM)."""
+def test_rtl_refuses_a_quantized_program_on_a_device_without_16_lane_bursts(tiny_decode, monkeypatch):
+    """The RTL decodes quantized formats only with 16 MAC lanes (the formats' burst); an RTL whose claim is
+    bf16 only refuses a quantized program at load with a LoadError naming the missing formats and what it
+    supports, before Verilator is started."""
+    import dataclasses
+
     from nhil.compiler.lower import lower_decode_graph
     from nhil.targets import get_target
+    from nhil.targets.rtl import target as rtl_target
 
     _, gm = tiny_decode
-    t = get_target(target, device="rtl-tiny" if target == "rtl" else "fpga-small")
+    t = get_target("rtl", device="rtl-tiny")
+    prog = lower_decode_graph(gm, t.capabilities().device, quant=build_plan("mxfp4:lm_head=q8_0", gm))
+    real = rtl_target.rtl_formats
+    monkeypatch.setattr(rtl_target, "rtl_formats", lambda d: real(dataclasses.replace(d, lanes=8)))  # claim what an 8-lane RTL claims
     try:  # no `with`: entering would start the RTL simulator; load must refuse before that
-        prog = lower_decode_graph(gm, t.capabilities().device, quant=build_plan("mxfp4:lm_head=q8_0", gm))
-        with pytest.raises(LoadError, match=rf"target {target} does not support weight format\(s\) mxfp4, q8_0 \(supports bf16\)"):
+        with pytest.raises(LoadError, match=r"target rtl does not support weight format\(s\) mxfp4, q8_0 \(supports bf16\)"):
             t.load(prog)
-        if target == "rtl":
-            assert t._proc is None  # refused before the simulator process was started
+        assert t._proc is None  # refused before the simulator process was started
     finally:
         t.close()
 

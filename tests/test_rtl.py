@@ -20,6 +20,7 @@ from nhil.isa import DEVICE_PRESETS, Instr, Op
 from nhil.isa.asm import format_instr
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT
 from nhil.numerics.bf16 import f32_to_bf16_bits
+from nhil.numerics.formats import DEVICE_FORMATS
 from nhil.runtime.executor import Runner
 from nhil.targets.base import DelegatingTarget, ResolvedInstr, Target
 from nhil.targets.rtl import RTL_OPS, RtlTarget
@@ -98,10 +99,11 @@ def first_difference(prog, a: Recorder, b: Recorder) -> str | None:
 @pytest.mark.rtl
 @needs_tools
 def test_datapath_blocks_match_the_numerics_contract():
-    """bf16 multiplier, fp32 adder, fp32->bf16, 16-lane tree + accumulate: random + edge vectors, bit for bit."""
+    """bf16 multiplier, fp32 adder, fp32->bf16, 16-lane tree + accumulate: random + edge vectors, bit for bit
+    (the quantized formats' vectors: tests/test_rtl_formats.py)."""
     from nhil.targets.rtl.unit import run_datapath_tests
 
-    r = run_datapath_tests(vectors=int(os.environ.get("NHIL_DP_VECTORS", "20000")), seed=7)
+    r = run_datapath_tests(vectors=int(os.environ.get("NHIL_DP_VECTORS", "20000")), seed=7, modules=("nhil.targets.rtl.tb_datapath",))
     msgs = re.findall(r"AssertionError: .{0,600}", r["log"])
     assert r["tests"] == 4 and r["failed"] == 0, f"{r['failed']} of {r['tests']} datapath tests failed (run {r['run_dir']}): " + "\n".join(msgs)
 
@@ -272,7 +274,7 @@ def test_datapath_unit_tests_catch_the_injected_bug():
     """The same probe vectors on the INJECT_RNE_BUG build: the adder (and the tree) must fail."""
     from nhil.targets.rtl.unit import run_datapath_tests
 
-    r = run_datapath_tests(vectors=2000, seed=7, inject_bug=True)
+    r = run_datapath_tests(vectors=2000, seed=7, inject_bug=True, modules=("nhil.targets.rtl.tb_datapath",))
     assert r["tests"] == 4 and r["failed"] >= 1, r["log"][-2000:]
     assert "add_f32_matches_contract failed" in r["log"] and "mul_bf16_matches_contract passed" in r["log"]
 
@@ -283,7 +285,7 @@ def test_datapath_unit_tests_catch_the_injected_bug():
 def test_capabilities_and_load_refusals():
     t = RtlTarget(no_such_option=1)  # unknown options are ignored
     caps = t.capabilities()
-    assert caps.device == DEVICE_PRESETS["rtl-tiny"] and caps.formats == frozenset({"bf16"}) and caps.ops == RTL_OPS
+    assert caps.device == DEVICE_PRESETS["rtl-tiny"] and caps.formats == DEVICE_FORMATS and caps.ops == RTL_OPS
     assert not {Op.EWMUL, Op.EWADD, Op.AF, Op.HOST} & caps.ops
     b = ProgramBuilder(DEV)
     b.emit(Op.EWMUL, row=0, n=1)

@@ -84,9 +84,13 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     if cx.moe_info:
         info["moe"] = cx.moe_info  # data-dependent expert dispatch (lower_moe; docs/isa.md runtime section)
     if quant is not None:
+        formats_used, weight_bytes = {}, 0  # every placed matrix: linears, MoE experts, MLA slices
+        for p in b.placements.values():
+            formats_used[p.fmt] = formats_used.get(p.fmt, 0) + 1
+            weight_bytes += p.nbytes
         info["linear_sizes"] = [p.n_out * p.n_in for p in b.placements.values()]
-        info["weight_formats"] = sorted(cx.formats_used)
-        info["quant"] = {"recipe": quant.describe(), "matrices_per_format": cx.formats_used, "weight_bytes": cx.weight_bytes,
+        info["weight_formats"] = sorted(formats_used)
+        info["quant"] = {"recipe": quant.describe(), "matrices_per_format": formats_used, "weight_bytes": weight_bytes,
                          "placements": {n: {"format": p.fmt, "chunk": p.chunk, "rows": p.rows} for n, p in b.placements.items()}}
     return b.finish(io, info)
 

@@ -33,7 +33,11 @@ gate; the dispatch then writes the routed combine to ``{out}.moe.routed`` and
 kernel's ops, :func:`nhil.compiler.primitives.moe_ref`).
 
 The builder's global-buffer tracking is reset at every sub-program boundary (what the GB
-holds there depends on which experts ran), and sub-programs are bf16-only (W_FMT 0).
+holds there depends on which experts ran). With a quantization plan the expert (and shared
+expert) matrices are stored in the plan's formats, the router and the shared expert's
+sigmoid gate stay bf16 (as llama.cpp keeps ``ffn_gate_inp`` unquantized: routing decisions
+are the MoE's most format-sensitive step); every sub-program starts and ends with
+W_FMT = bf16, so the CFR state is the same whichever experts ran.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ SHARED_KEYS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared
 GPT_OSS_KEYS = ("router_bias", "gate_up_bias", "down_bias")
 
 
-def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dict, layer: int) -> dict:
+def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dict, layer: int, quant=None) -> dict:
     """Emit one MoE layer (see the module docstring).
 
     Args:
@@ -68,6 +72,7 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
             ``softmax_after_topk``, ``experts_layout`` (``concat`` / ``transposed_interleaved``);
             with ``score_bias``: ``n_group``, ``topk_group``, ``routed_scaling_factor``.
         layer: MoE layer ordinal (names buffers, recorded in host-op attrs).
+        quant: optional :class:`nhil.compiler.quantize.QuantPlan` for the expert matrices.
     Returns:
         metadata for ``program.info["moe"]``.
     Raises:
@@ -95,7 +100,8 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         raise CompileError(f"moe layer {layer}: inconsistent expert weights gate_up {tuple(gu.shape)}, down {tuple(dw.shape)}")
     inter = i2 // 2
     pre = f"{out}.moe"
-    shared = _lower_shared_expert(b, x_buf, pre, weights, h, layer) if "shared_gate_proj" in weights else None
+    place = lambda name, w: b.place_matrix(name, w, qt=quant.weight(name, w) if quant is not None else None)  # noqa: E731
+    shared = _lower_shared_expert(b, x_buf, pre, weights, h, layer, place) if "shared_gate_proj" in weights else None
     pr = b.place_matrix(rn, rw)
     b.buffer(f"{pre}.logits", e_count)
     if "router_bias" in weights:  # GPT-OSS router bias, added on the host after RD_ACC (as a biased linear)
@@ -115,16 +121,16 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
             raise CompileError(f"moe layer {layer}: expert sub-programs must start with W_FMT = bf16")
         b.invalidate_gb()
         if gpt_oss:
-            pg = b.place_matrix(f"{gn}.{e}.gate", gu[e, :, 0::2].t())
-            pu = b.place_matrix(f"{gn}.{e}.up", gu[e, :, 1::2].t())
-            pd = b.place_matrix(f"{dn}.{e}", dw[e].t())
+            pg = place(f"{gn}.{e}.gate", gu[e, :, 0::2].t())
+            pu = place(f"{gn}.{e}.up", gu[e, :, 1::2].t())
+            pd = place(f"{dn}.{e}", dw[e].t())
             bname, gub = weights["gate_up_bias"]
             gb, ub = b.host_image(f"{bname}.{e}.gate", gub[e, 0::2]), b.host_image(f"{bname}.{e}.up", gub[e, 1::2])
             db = b.host_image(f"{weights['down_bias'][0]}.{e}", weights["down_bias"][1][e])
         else:
-            pg = b.place_matrix(f"{gn}.{e}.gate", gu[e, :inter])
-            pu = b.place_matrix(f"{gn}.{e}.up", gu[e, inter:])
-            pd = b.place_matrix(f"{dn}.{e}", dw[e])
+            pg = place(f"{gn}.{e}.gate", gu[e, :inter])
+            pu = place(f"{gn}.{e}.up", gu[e, inter:])
+            pd = place(f"{dn}.{e}", dw[e])
         b.host("moe_expert", [], [], layer=layer, expert=e)
         markers.append(len(b.host_ops) - 1)
         start = len(b.instrs)
@@ -138,6 +144,8 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         else:
             b.host("silu_mul", [g, u], [a])
             b.gemv(pd, a, y)
+        if b._wfmt != 0:
+            b.set_wfmt(0)  # the sub-program ends as it started, with W_FMT = bf16
         b.sync()
         macs.append(sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB"))
         ys.append(y)
@@ -156,7 +164,7 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
     return info
 
 
-def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, h: int, layer: int) -> dict:
+def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, h: int, layer: int, place) -> dict:
     """The shared expert, in the linear stream (it runs for every token): gate and up GEMVs
     of ``x``, ``HOST silu_mul``, down GEMV into ``{pre}.shared.y``, and with a sigmoid gate
     its [1,H] GEMV into ``{pre}.shared.gate`` (the sigmoid itself is applied by
@@ -167,10 +175,10 @@ def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict,
         raise CompileError(f"moe layer {layer}: inconsistent shared expert weights gate {tuple(gw.shape)}, up {tuple(uw.shape)}, down {tuple(dw.shape)}")
     start = len(b.instrs)
     g, u, a, y = (b.buffer(f"{pre}.shared.{s}", n) for s, n in (("g", inter), ("u", inter), ("act", inter), ("y", h)))
-    b.gemv(b.place_matrix(gn, gw), x_buf, g)
-    b.gemv(b.place_matrix(un, uw), x_buf, u)
+    b.gemv(place(gn, gw), x_buf, g)
+    b.gemv(place(un, uw), x_buf, u)
     b.host("silu_mul", [g, u], [a])
-    b.gemv(b.place_matrix(dn, dw), a, y)
+    b.gemv(place(dn, dw), a, y)
     gate = None
     if "shared_expert_gate" in weights:
         sn, sw = weights["shared_expert_gate"]
@@ -211,4 +219,4 @@ def _moe(cx: LowerCtx, node) -> None:
         elif t is not None:
             attrs[key] = t
     attrs = dict(attrs, num_experts=n_exp, top_k=top_k, score_func=attrs.get("score_func", "softmax"), norm_topk_prob=attrs.get("norm_topk_prob", True))
-    cx.moe_info.append(lower_moe(cx.b, cx.arg(x), node.name, w, attrs, layer=len(cx.moe_info)))
+    cx.moe_info.append(lower_moe(cx.b, cx.arg(x), node.name, w, attrs, layer=len(cx.moe_info), quant=cx.quant))

@@ -37,6 +37,14 @@ DEFAULT_MAX_MESSAGE = 1 << 20  # reassembly / reply buffer of the emulated board
 _END_B = bytes([END])
 
 
+def board_formats(d: DeviceConfig) -> frozenset[str]:
+    """Weight formats the board claims in INFO: exactly the RTL's (``nhil.targets.rtl.target.rtl_formats``),
+    whichever backend executes (the board is that RTL on an FPGA; the simulator backend stands in for it)."""
+    from nhil.targets.rtl.target import rtl_formats
+
+    return rtl_formats(d)
+
+
 class ReqError(Exception):
     """A request the device refuses: becomes ``ERROR code message``."""
 
@@ -473,7 +481,7 @@ class Board:
                 "protocol": P.PROTOCOL_VERSION,
                 "isa_version": P.ISA_VERSION,
                 "ops": sorted(o.name for o in DEVICE_OPS),
-                "formats": ["bf16"],
+                "formats": sorted(board_formats(d)),
                 "device": dataclasses.asdict(d),
                 "max_payload": self.max_payload,
                 "max_message": self.max_message,

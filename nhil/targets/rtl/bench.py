@@ -18,6 +18,10 @@ for rates: the RTL's fraction of the simulator's rate). Figures:
   (simulator speed in "RTL cycles' worth of work" per second).
 * ``MACs/s``: bf16 multiply-accumulates per second of execute time, both targets.
 
+Per weight-format family (``format_rows(run_formats())``, hooked into ``make bench`` by
+``format_rows_provider``): llama-tiny compiled with each recipe of ``FORMAT_FAMILIES``, the
+RTL's simulated cycles/s and MACs/s with ``ratio`` against the bf16 program's in the same call.
+
 ``llama-tiny`` on ``rtl-tiny`` always (about a minute plus a cold build); the real
 ``llama`` on ``rtl-aim1`` only with ``NHIL_BENCH_RTL_LLAMA=1`` (about 2 min of compile,
 10 s of backdoor load and ~15-50 s per token). ``as_table_rows(rows)`` gives the
@@ -172,6 +176,78 @@ def rtl_bench_rows(models: list[str] | None = None, build: bool = True) -> list[
     return rows
 
 
+FORMAT_FAMILIES = ("bf16", "int8", "int4-g128", "fp8-e4m3", "mxfp8", "mxfp4", "nvfp4", "q8_0", "q4_1")
+FORMAT_STEPS = 2
+
+
+def run_formats(model: str = "llama-tiny", device: str = "rtl-tiny", recipes: tuple[str, ...] = FORMAT_FAMILIES, steps: int = FORMAT_STEPS) -> list[dict]:
+    """``model`` compiled once per quant recipe and run ``steps`` decode steps on the simulator and the RTL (one
+    RTL session for all recipes). Returns per recipe: ``cycles``, ``macs`` (RTL counters), ``rtl_exec_s``,
+    ``sim_exec_s``, ``bit_identical``, ``formats`` (program weight formats)."""
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.compiler.quantize import build_plan
+    from nhil.isa import DEVICE_PRESETS
+    from nhil.models import get_model
+    from nhil.runtime import Runner
+    from nhil.targets.rtl import RtlTarget
+    from nhil.targets.sim import SimTarget
+
+    bundle = get_model(model)
+    ids = bundle.encode(None)
+    toks = (list(ids) + [ids[-1]] * steps)[:steps]
+    gm = raise_graph(export_decode(bundle.model, 16)[0], "decode").gm
+    dev = DEVICE_PRESETS[device]
+    out = []
+    with RtlTarget(device=device) as rtl:
+        for recipe in recipes:
+            prog = lower_decode_graph(gm, dev, model_name=model, quant=None if recipe == "bf16" else build_plan(recipe, gm))
+            res: dict = {"recipe": recipe, "formats": prog.info.get("weight_formats")}
+            outs = {}
+            for name, tgt in (("sim", SimTarget(device=dev)), ("rtl", rtl)):
+                tt = _Timed(tgt)
+                runner = Runner(prog, tt)
+                runner.reset()
+                tt.exec_s = 0.0
+                outs[name] = [{k: np.array(v, copy=True) for k, v in runner.step(tok, pos).items()} for pos, tok in enumerate(toks)]
+                res[f"{name}_exec_s"] = tt.exec_s
+            st = rtl.stats()
+            res.update(cycles=st["cycles"], macs=st["macs"])
+            res["bit_identical"] = all(np.array_equal(np.asarray(a[k]).view(np.uint8), np.asarray(b[k]).view(np.uint8))
+                                       for a, b in zip(outs["sim"], outs["rtl"]) for k in a)
+            _say(f"{model} {recipe}: {res['cycles'] / res['rtl_exec_s']:,.0f} cycles/s on rtl, bit-identical {res['bit_identical']}")
+            out.append(res)
+    return out
+
+
+def format_rows(runs: list[dict], model: str = "llama-tiny", device: str = "rtl-tiny") -> list[dict]:
+    """Per recipe: simulated cycles/s and MACs/s of the RTL, ``ratio`` = against the bf16 recipe's in the same call."""
+    base = next(r for r in runs if r["recipe"] == "bf16")
+    b_cps, b_mps = base["cycles"] / base["rtl_exec_s"], base["macs"] / base["rtl_exec_s"]
+    rows = []
+    for r in runs:
+        cps, mps = r["cycles"] / r["rtl_exec_s"], r["macs"] / r["rtl_exec_s"]
+        agree = "bit-identical to the simulator" if r["bit_identical"] else "OUTPUTS DIFFER FROM THE SIMULATOR"
+        fm = ",".join(r["formats"] or [])
+        rows.append({"model": model, "device": device, "stage": f"{r['recipe']}: simulated cycles/s", "value": cps, "unit": "cycles/s",
+                     "sim_value": None, "ratio": cps / b_cps, "note": f"ratio = of bf16's {b_cps:,.0f}; formats {fm}; {agree}"})
+        rows.append({"model": model, "device": device, "stage": f"{r['recipe']}: MACs/s", "value": mps, "unit": "MAC/s",
+                     "sim_value": r["macs"] / r["sim_exec_s"], "ratio": mps / b_mps, "note": f"ratio = of bf16's {b_mps:,.0f}; sim column = the simulator's MACs/s"})
+    return rows
+
+
+def format_rows_provider(r: dict) -> list:
+    """``nhil.bench`` row provider: the per-format-family RTL rows, once (on llama-tiny, when rtl is benched)."""
+    if r.get("model") != "llama-tiny" or "rtl" not in os.environ.get("NHIL_BENCH_TARGETS", "rtl,fpga"):
+        return []
+    from nhil.errors import NhilError
+
+    try:
+        return [(st, val, ratio, f"{base} {note}".strip()) for st, val, ratio, base, note in as_table_rows(format_rows(run_formats()))]
+    except NhilError as e:
+        return [("rtl formats", "unavailable", "", str(e)[:80])]
+
+
 def _fmt(v: float, unit: str) -> str:
     if unit == "s":
         return f"{v:.3f} s" if v < 100 else f"{v:.0f} s"
@@ -188,11 +264,11 @@ def as_table_rows(rows: list[dict]) -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-if __name__ == "__main__":  # python -m nhil.targets.rtl.bench
+if __name__ == "__main__":  # python -m nhil.targets.rtl.bench [formats]
     import json
 
     t0 = time.perf_counter()
-    rows = rtl_bench_rows()
+    rows = format_rows(run_formats()) if sys.argv[1:] == ["formats"] else rtl_bench_rows()
     for row in as_table_rows(rows):
         print(" | ".join(row))
     print(json.dumps(rows, indent=1, default=float))

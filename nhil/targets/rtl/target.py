@@ -10,7 +10,8 @@ images are loaded through the documented backdoor ($readmemh, ``docs/rtl-interfa
 Options (keyword; unknown ones are ignored): ``device`` (DeviceConfig or preset name,
 default ``rtl-tiny``; one channel), ``simulator`` (``verilator`` | ``icarus``), ``waves``
 (FST/VCD of the whole run, also forced by env ``WAVES=1``), ``inject_bug`` (build with
-``INJECT_RNE_BUG``: ties round away from zero in the fp32 adder), ``keep_run`` (keep the
+``INJECT_RNE_BUG``: ties round away from zero in the fp32 adder; ``"decode"``: ``INJECT_DECODE_BUG``,
+lane 5 of the weight decoder reads the E2M1 code 0x1 as 1.0), ``keep_run`` (keep the
 run folder after a clean close), ``timeout`` (seconds per request).
 """
 
@@ -31,20 +32,50 @@ import numpy as np
 
 from nhil.errors import LoadError, RunError, SetupError
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
-from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, OPINFO, Instr, Op
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, OPINFO, Instr, Op
 from nhil.isa.program import Program
+from nhil.numerics.formats import BY_CODE, DEVICE_FORMATS
+from nhil.numerics.mac import LANES
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.rtl import proto
 from nhil.targets.rtl.build import REPO, RTL_DIR, SIM_SOURCES, SIM_TOP, BuildSpec, build_root, ensure_build
 
 RTL_OPS = DEVICE_OPS  # every non-reserved ISA v0 device opcode
-RTL_FORMATS = frozenset({"bf16"})
+# Weight formats the RTL's MAC lanes decode (rtl_stubs/pim_wdec.sv, pim_fp_pkg::wfmt_fetch): every
+# device format of nhil.numerics.formats, on devices with 16 MAC lanes (the formats' burst); bf16 on others.
+RTL_FORMATS = DEVICE_FORMATS
+INJECTED_BUGS = {"rne": "INJECT_RNE_BUG", "decode": "INJECT_DECODE_BUG"}
 
 
-def channel_spec(d: DeviceConfig, simulator: str = "verilator", waves: bool = False, inject_bug: bool = False) -> BuildSpec:
-    """BuildSpec of the simulation top (``pim_sim_top``: ``pim_channel`` + datapath probe) for device ``d``."""
+def rtl_formats(d: DeviceConfig) -> frozenset[str]:
+    """Weight formats the RTL implements for device ``d`` (quantized formats need ``lanes == 16``)."""
+    return RTL_FORMATS if d.lanes == LANES else frozenset({"bf16"})
+
+
+def bug_name(v) -> str | None:
+    """Normalise an ``inject_bug`` option: None (no bug), ``"rne"`` (True, "1", "rne") or ``"decode"``.
+
+    Raises:
+        SetupError: an unknown bug name.
+    """
+    if isinstance(v, str):
+        key = v.strip().lower()
+        if key in INJECTED_BUGS:
+            return key
+        if not _flag(key):
+            return None
+        if key in ("1", "true", "yes", "on"):
+            return "rne"
+        raise SetupError(f"rtl: unknown inject_bug {v!r}; use one of {', '.join(INJECTED_BUGS)} (or 1 = rne)")
+    return "rne" if v else None
+
+
+def channel_spec(d: DeviceConfig, simulator: str = "verilator", waves: bool = False, inject_bug: bool | str | None = None) -> BuildSpec:
+    """BuildSpec of the simulation top (``pim_sim_top``: ``pim_channel`` + datapath probe) for device ``d``
+    (``inject_bug``: see :func:`bug_name`)."""
     params = (("BANKS", d.banks), ("ROWS", d.rows), ("COLS", d.cols), ("LANES", d.lanes), ("ACCS", d.accumulators), ("GB_ELEMS", d.gb_elems))
-    defines = (("INJECT_RNE_BUG", "1"),) if inject_bug else ()
+    bug = bug_name(inject_bug)
+    defines = ((INJECTED_BUGS[bug], "1"),) if bug else ()
     # Verilator: trace support is always compiled in (FST, or VCD without lz4 headers) and
     # switched on per run, so WAVES=1 never needs another build. Icarus: waves are a build option.
     build_waves = True if simulator == "verilator" else waves
@@ -88,7 +119,7 @@ class RtlTarget(Target):
         _check_device(self.d)
         self.waves = _flag(waves) or _flag(os.environ.get("WAVES", ""))
         self.simulator = simulator
-        self.inject_bug = _flag(inject_bug)
+        self.inject_bug = bug_name(inject_bug)
         self.keep_run = _flag(keep_run)
         if image_format not in ("bin", "hex"):
             raise SetupError(f"rtl: image_format must be 'bin' or 'hex', not {image_format!r}")
@@ -124,7 +155,7 @@ class RtlTarget(Target):
 
     # ------------------------------------------------------------------ lifecycle
     def capabilities(self) -> Capabilities:
-        return Capabilities(0, RTL_OPS, RTL_FORMATS, self.d)
+        return Capabilities(0, RTL_OPS, rtl_formats(self.d), self.d)
 
     def open(self) -> None:
         if self._proc is not None:
@@ -388,8 +419,12 @@ class RtlTarget(Target):
             chans(); bank(); row(); span(min(d.cols, d.gb_elems), "row/global buffer")
         elif op is Op.SET_CFR:
             chans()
-            if ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
-                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1)")
+            if ins.k == CFR_W_FMT:
+                if ins.imm != 0 and (ins.imm not in BY_CODE or d.lanes != LANES):
+                    known = ", ".join(f"0x{c:x} {f.name}" for c, f in sorted(BY_CODE.items())) if d.lanes == LANES else f"no others: quantized formats need {LANES} lanes"
+                    raise self._err(idx, ins, f"unknown weight format code 0x{ins.imm:x} for CFR W_FMT (known: 0 bf16, {known})")
+            elif ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
+                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1; reg 1 = W_FMT)")
 
     def _encode(self, block: list[ResolvedInstr]) -> tuple[bytes, list[tuple[int, Instr, int]]]:
         """Beats for the command port, and (index, instr, readback beats) per data-out instruction."""

@@ -1,8 +1,9 @@
 """Run a cocotb test module against an RTL build and report.
 
 ``run_datapath_tests()`` uses the RtlTarget's build (``pim_sim_top`` holds the datapath
-probe ``pim_dp_probe`` next to the channel) and runs the
-cocotb tests of :mod:`nhil.targets.rtl.tb_datapath` in a subprocess; returns a dict with
+probe ``pim_dp_probe`` next to the channel) and runs the cocotb tests of
+:mod:`nhil.targets.rtl.tb_datapath` (bf16 blocks) and :mod:`nhil.targets.rtl.tb_formats`
+(quantized weight decode and MAC, every format) in a subprocess; returns a dict with
 ``tests``, ``failed``, ``log`` (text) and ``run_dir``.
 """
 
@@ -22,7 +23,10 @@ from nhil.targets.rtl.build import REPO, BuildSpec, build_root, ensure_build
 
 
 
-def run_cocotb(spec: BuildSpec, test_module: str, env: dict | None = None, timeout: float = 600) -> dict:
+DATAPATH_MODULES = ("nhil.targets.rtl.tb_datapath", "nhil.targets.rtl.tb_formats")
+
+
+def run_cocotb(spec: BuildSpec, test_module: str | list[str], env: dict | None = None, timeout: float = 600) -> dict:
     bdir, info = ensure_build(spec)
     runs = build_root() / "runs"
     runs.mkdir(parents=True, exist_ok=True)
@@ -60,9 +64,11 @@ def run_cocotb(spec: BuildSpec, test_module: str, env: dict | None = None, timeo
     return res
 
 
-def run_datapath_tests(simulator: str = "verilator", vectors: int = 3000, seed: int = 1, inject_bug: bool = False) -> dict:
+def run_datapath_tests(simulator: str = "verilator", vectors: int = 3000, seed: int = 1, inject_bug: bool | str | None = None,
+                       modules: tuple[str, ...] = DATAPATH_MODULES) -> dict:
+    """Run the datapath cocotb modules on the ``rtl-tiny`` build (``inject_bug``: see ``target.bug_name``)."""
     from nhil.isa.device import DEVICE_PRESETS
     from nhil.targets.rtl.target import channel_spec
 
     spec = channel_spec(DEVICE_PRESETS["rtl-tiny"], simulator, inject_bug=inject_bug)  # the same build as RtlTarget's
-    return run_cocotb(spec, "nhil.targets.rtl.tb_datapath", {"NHIL_DP_VECTORS": str(vectors), "COCOTB_RANDOM_SEED": str(seed)})
+    return run_cocotb(spec, list(modules), {"NHIL_DP_VECTORS": str(vectors), "COCOTB_RANDOM_SEED": str(seed)})
