@@ -50,7 +50,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory verify MODEL=llama-tiny TARGET=fpga
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) -q -m "not slow and not real"
+	$(PY) -m pytest -n $(JOBS) -q -m "not slow and not real and not nightly"
 
 bench: $(STAMP)
 	$(NHIL) bench

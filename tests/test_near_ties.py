@@ -100,6 +100,7 @@ def test_mixtral_seed_0_routing_near_tie_is_reported_and_the_run_passes(tmp_path
 
 
 @pytest.mark.nightly
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("model", ["llama-tiny", *ZOO])
 def test_every_family_passes_with_any_seed(model, seed, tmp_path):

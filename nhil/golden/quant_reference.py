@@ -29,8 +29,10 @@ node by node in PyTorch, and
   in slot order its gate and up GEMVs, the activation on the host (``silu(g) * u`` or the
   GPT-OSS clamped SwiGLU with its biases), its down GEMV (+ down bias); the combine
   ``(stack(y) * w[:, None]).view(1, k, H).sum(1)``; a shared expert (gate/up/down GEMVs and
-  its [1, H] gate GEMV) adds ``sigmoid(gate) * shared``. Every expert matrix is bf16
-  (expert sub-programs are bf16-only). The router logits of every step are kept
+  its [1, H] gate GEMV) adds ``sigmoid(gate) * shared``. Expert and shared-expert matrices
+  take the plan's format under their lowered names (``<gate_up>.<e>.gate`` / ``.up``,
+  ``<down>.<e>``); the router and the shared expert's gate stay bf16, as the lowering keeps
+  them. The router logits of every step are kept
   (:attr:`QuantReference.router_logits`) so verify can tell a routing near tie.
 * ``nhil::mla_kv``: the absorbed form of ``nhil/compiler/lower_mla.py``: per head
   ``q_abs_h = W_UK_hᵀ q_nope_h`` (bf16 GEMV), key rows ``[latent ‖ k_rot ‖ 0]`` and value
@@ -335,14 +337,17 @@ class QuantReference(torch.fx.Interpreter):
         return out.reshape(1, 1, num_heads * hd)
 
 
-    def _bf16_weight(self, key, w: torch.Tensor) -> MacWeight:
-        """A bf16 MAC weight (MoE experts, MLA's split kv_b_proj), built once per ``key``."""
+    def _bf16_weight(self, key, w: torch.Tensor, name: str | None = None) -> MacWeight:
+        """The MAC weight of a matrix the lowering places itself (MoE experts, MLA's split kv_b_proj), built once per
+        ``key``: in the plan's format for ``name`` when a plan and a name are given (quantized experts), else bf16."""
         if key not in self.weights:
-            self.weights[key] = MacWeight(w.contiguous())
+            w = w.contiguous()
+            qt = self.plan.weight(name, w) if (self.plan is not None and name is not None) else None
+            self.weights[key] = MacWeight(w, qt)
         return self.weights[key]
 
-    def _gemv_bf16(self, key, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        mw = self._bf16_weight(key, w)
+    def _gemv_bf16(self, key, w: torch.Tensor, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        mw = self._bf16_weight(key, w, name)
         return mw.gemv(x) if self.mode == "device" else F.linear(x.reshape(1, -1), mw.deq).reshape(-1)
 
     def _moe(self, x, router_weight, gate_up_proj, down_proj, num_experts, top_k, score_func="softmax", norm_topk_prob=True, act="silu",
@@ -351,16 +356,20 @@ class QuantReference(torch.fx.Interpreter):
              experts_layout="concat", swiglu_alpha=1.702, swiglu_limit=7.0):
         from nhil.compiler.primitives import moe_routing, swiglu_clamp
 
-        node = self._current_node.name
+        fx = self._current_node
+        node = fx.name
+        nm = lambda a: a.target if isinstance(a, torch.fx.Node) and a.op == "get_attr" else getattr(a, "name", None)  # noqa: E731
+        gn, dn = nm(fx.args[2]), nm(fx.args[3])
         h = int(x.shape[-1])
         hs = x.reshape(-1)
         if x.numel() != h:
             raise CompileError(f"the quantized reference runs one decode token at a time, got moe input of shape {tuple(x.shape)}")
         shared = None
         if shared_gate_proj is not None:
-            g = self._gemv_bf16((node, "shared.gate"), shared_gate_proj, hs)
-            u = self._gemv_bf16((node, "shared.up"), shared_up_proj, hs)
-            shared = self._gemv_bf16((node, "shared.down"), shared_down_proj, torch.ops.nhil.silu_mul(g, u))
+            kw = fx.kwargs  # shared expert matrices in the plan's format; its sigmoid gate stays bf16 (lower_moe)
+            g = self._gemv_bf16((node, "shared.gate"), shared_gate_proj, hs, nm(kw["shared_gate_proj"]))
+            u = self._gemv_bf16((node, "shared.up"), shared_up_proj, hs, nm(kw["shared_up_proj"]))
+            shared = self._gemv_bf16((node, "shared.down"), shared_down_proj, torch.ops.nhil.silu_mul(g, u), nm(kw["shared_down_proj"]))
             gate = self._gemv_bf16((node, "shared.expert_gate"), shared_expert_gate, hs) if shared_expert_gate is not None else None
         logits = self._gemv_bf16((node, "router"), router_weight, hs)
         if router_bias is not None:
@@ -371,15 +380,15 @@ class QuantReference(torch.fx.Interpreter):
         ys = []
         for e in (int(i) for i in ids.reshape(-1)):
             if experts_layout == "transposed_interleaved":  # GPT-OSS: [H, 2I] interleaved gate/up columns, down [I, H], biases
-                g = self._gemv_bf16((node, e, "gate"), gate_up_proj[e, :, 0::2].t(), hs)
-                u = self._gemv_bf16((node, e, "up"), gate_up_proj[e, :, 1::2].t(), hs)
+                g = self._gemv_bf16((node, e, "gate"), gate_up_proj[e, :, 0::2].t(), hs, f"{gn}.{e}.gate")
+                u = self._gemv_bf16((node, e, "up"), gate_up_proj[e, :, 1::2].t(), hs, f"{gn}.{e}.up")
                 a = swiglu_clamp(g + gate_up_bias[e, 0::2], u + gate_up_bias[e, 1::2], swiglu_alpha, swiglu_limit)
-                ys.append(self._gemv_bf16((node, e, "down"), down_proj[e].t(), a) + down_bias[e])
+                ys.append(self._gemv_bf16((node, e, "down"), down_proj[e].t(), a, f"{dn}.{e}") + down_bias[e])
             else:
                 inter = int(gate_up_proj.shape[1]) // 2
-                g = self._gemv_bf16((node, e, "gate"), gate_up_proj[e, :inter], hs)
-                u = self._gemv_bf16((node, e, "up"), gate_up_proj[e, inter:], hs)
-                ys.append(self._gemv_bf16((node, e, "down"), down_proj[e], torch.ops.nhil.silu_mul(g, u)))
+                g = self._gemv_bf16((node, e, "gate"), gate_up_proj[e, :inter], hs, f"{gn}.{e}.gate")
+                u = self._gemv_bf16((node, e, "up"), gate_up_proj[e, inter:], hs, f"{gn}.{e}.up")
+                ys.append(self._gemv_bf16((node, e, "down"), down_proj[e], torch.ops.nhil.silu_mul(g, u), f"{dn}.{e}"))
         y = torch.stack(ys) * w.reshape(-1).unsqueeze(-1)
         out = y.view(1, top_k, -1).sum(dim=1).reshape(-1)
         if shared is not None:
