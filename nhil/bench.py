@@ -35,6 +35,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from nhil.targets.sim.bench import reference_speed, sim_rows
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -92,7 +94,7 @@ def _fpga_rows(r: dict) -> list:
     return bench_rows()
 
 
-ROW_PROVIDERS += [_rtl_rows, _fpga_rows]
+ROW_PROVIDERS += [_rtl_rows, _fpga_rows, sim_rows]
 SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
 
 
@@ -174,6 +176,7 @@ def bench_model(name: str, tokens: int, gpu_gbs: float = 3350.0) -> dict:
             nxt = out.logits[:, -1:].argmax(-1)
         r["eager_s_per_token"] = (time.perf_counter() - t0) / positions
     r["sim_vs_eager"] = r["sim_s_per_token"] / r["eager_s_per_token"]
+    r["sim_reference"] = reference_speed(prog, ids, tokens)  # the pre-#17 per-instruction path, same run (nhil.targets.sim.bench)
     r["compile_vs_export"] = r["compile"]["seconds"] / r["export"]["seconds"]
     # the same run with the timing model on (off by default)
     from nhil.targets.sim.timing import TimedSimTarget
