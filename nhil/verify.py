@@ -357,38 +357,48 @@ def _verify(run: _Run) -> None:
     R["device"] = dataclasses.asdict(device)
     R["max_cache_len"] = max_len
 
-    with run.stage("export"):
-        ep, example = export_decode(bundle.model, max_len)
-        R["export_nodes"] = len(ep.graph.nodes)
-    with run.stage("raise"):
-        raised = raise_graph(ep, "decode")
-        R["raised_primitives"] = dict(raised.counts)
     profile = PROFILE
-    plan = None
     if o.quant != "bf16":
-        from nhil.compiler.quantize import build_plan, tolerance_profile
+        from nhil.compiler.quantize import tolerance_profile
 
-        with run.stage("quantize"):
-            src = str(bundle.source)
-            plan = build_plan(o.quant, raised.gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model)
-            profile = tolerance_profile(o.quant, o.model)
+        profile = tolerance_profile(o.quant, o.model)
     thresholds = _effective_thresholds(profile, overrides, R)
-    with run.stage("lower"):
-        program = lower_decode_graph(raised.gm, device, model_name=o.model, quant=plan)
-    if plan is not None:
+
+    def compile_program():
+        with run.stage("export"):
+            ep, example = export_decode(bundle.model, max_len)
+        with run.stage("raise"):
+            raised = raise_graph(ep, "decode")
+        plan = None
+        if o.quant != "bf16":
+            from nhil.compiler.quantize import build_plan
+
+            with run.stage("quantize"):
+                src = str(bundle.source)
+                plan = build_plan(o.quant, raised.gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model)
+        with run.stage("lower"):
+            program = lower_decode_graph(raised.gm, device, model_name=o.model, quant=plan)
+        with run.stage("encode"):
+            blob = program.encode()
+            program = Program.decode(blob, source="<encoded program>")
+            same = program.encode() == blob
+            run.check("program_round_trip", same, f".pimb of {len(blob)} bytes decodes and re-encodes byte-identically")
+        return program, {"export_nodes": len(ep.graph.nodes), "raised_primitives": dict(raised.counts)}, blob
+
+    from nhil.compiler import cache as pcache  # warm verify: content-addressed program cache (NHIL_CACHE=0 disables)
+
+    program, meta, R["program_cache"] = pcache.cached_verify_compile(o.model, bundle, o.quant, device, max_len, compile_program, R["timings"], run.check)
+    R["export_nodes"], R["raised_primitives"] = meta.get("export_nodes"), meta.get("raised_primitives")
+    if o.quant != "bf16":
         qi = program.info["quant"]
         R["quant"] = {"recipe": o.quant, "profile": profile, "plan": qi["recipe"], "matrices_per_format": qi["matrices_per_format"], "weight_bytes": qi["weight_bytes"], "weight_formats": program.info["weight_formats"]}
-    with run.stage("encode"):
-        blob = program.encode()
-        program = Program.decode(blob, source="<encoded program>")
-        same = program.encode() == blob
-        run.check("program_round_trip", same, f".pimb of {len(blob)} bytes decodes and re-encodes byte-identically")
-        if o.save_program and len(blob) <= SAVE_PROGRAM_MAX_BYTES:
-            from nhil.util import atomic_write_bytes
+    blob_len = R["program_cache"]["bytes"]
+    if o.save_program and blob_len <= SAVE_PROGRAM_MAX_BYTES:
+        from nhil.util import atomic_write_bytes
 
-            atomic_write_bytes(run.dir / "program.pimb", blob)
+        atomic_write_bytes(run.dir / "program.pimb", program.encode())
     R["program"] = {
-        "bytes": len(blob),
+        "bytes": blob_len,
         "instructions": len(program.instrs),
         "host_ops": len(program.host_ops),
         "bank_rows": len(program.bank_images),
