@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from nhil.targets.sim.bench import reference_speed, sim_rows
+from nhil.timing.batch import batch_rich_table, bench_batch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -338,6 +339,8 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     if "llama3-8b" in ablation:
         print("[bench] llama3-8b device-parameter study ...", file=sys.stderr, flush=True)
         study = device_study("llama3-8b", gpu_gbs=gpu_gbs)
+    print("[bench] batched decode (timing model) ...", file=sys.stderr, flush=True)
+    batch = bench_batch(gpu_gbs=gpu_gbs)  # issue 17 item 5: nhil.timing.batch
     from nhil.compiler.schedule import PIPELINE
 
     t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PIPELINE)})")
@@ -365,7 +368,8 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     Console(width=160).print(t)
     if ab or study:
         Console(width=180).print(_ablation_table(ab, study))
-    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else [])
+    Console(width=180).print(batch_rich_table(batch))
+    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else []) + [{"batch": batch}]
     atomic_write_text(output, json.dumps(out, indent=2, default=float))
     print(f"[bench] saved {output}", file=sys.stderr)
     return rows
