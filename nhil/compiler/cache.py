@@ -223,7 +223,8 @@ def verify_key_parts(model: str, bundle, quant: str, device, max_cache_len: int)
     """Key parts of ``verify``'s decode program: model name, weights id, config sha256, quant recipe, device, passes, cache length, toolchain.
 
     Args:
-        model: registry name; bundle: its ``ModelBundle`` (``weights_id``: checkpoint sha256 or seed);
+        model: registry name; bundle: its ``ModelBundle`` (``weights_id``: checkpoint file sha256; for seeded
+            models the seed plus a sha256 over the state dict's tensors);
         quant: the QUANT recipe; device: the ``DeviceConfig`` compiled for; max_cache_len: KV positions.
     """
     import dataclasses
@@ -231,7 +232,13 @@ def verify_key_parts(model: str, bundle, quant: str, device, max_cache_len: int)
     from nhil.compiler.schedule import lowering_passes
 
     cfg = bundle.model.config.to_json_string(use_diff=False)
-    return {"kind": "decode-program", "model": model, "weights_id": bundle.weights_id, "config_sha256": hashlib.sha256(cfg.encode()).hexdigest(),
+    weights = bundle.weights_id
+    if not str(weights).startswith("sha256:"):  # seeded models: hash the tensors themselves (small), not just the seed
+        h = hashlib.sha256()
+        for name, t in sorted(bundle.model.state_dict().items()):
+            h.update(name.encode() + b"\0" + t.detach().contiguous().cpu().numpy().tobytes())
+        weights = f"{weights};sha256:{h.hexdigest()}"
+    return {"kind": "decode-program", "model": model, "weights_id": weights, "config_sha256": hashlib.sha256(cfg.encode()).hexdigest(),
             "quant": quant, "device": dataclasses.asdict(device), "passes": sorted(lowering_passes()), "max_cache_len": int(max_cache_len),
             "source": str(bundle.source), **toolchain_parts()}
 
