@@ -35,6 +35,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from nhil.targets.sim.bench import reference_speed, sim_rows
+from nhil.timing.batch import batch_rich_table, bench_batch
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -94,7 +97,7 @@ def _fpga_rows(r: dict) -> list:
 
 from nhil.targets.rtl.bench import format_rows_provider  # noqa: E402  (RTL rows per weight-format family)
 
-ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider]
+ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider, sim_rows]
 SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
 
 
@@ -185,6 +188,7 @@ def bench_model(name: str, tokens: int, gpu_gbs: float = 3350.0) -> dict:
             nxt = out.logits[:, -1:].argmax(-1)
         r["eager_s_per_token"] = (time.perf_counter() - t0) / positions
     r["sim_vs_eager"] = r["sim_s_per_token"] / r["eager_s_per_token"]
+    r["sim_reference"] = reference_speed(prog, ids, tokens)  # the pre-#17 per-instruction path, same run (nhil.targets.sim.bench)
     r["compile_vs_export"] = r["compile"]["seconds"] / r["export"]["seconds"]
     # the same run with the timing model on (off by default)
     from nhil.targets.sim.timing import TimedSimTarget
@@ -346,6 +350,8 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     if "llama3-8b" in ablation:
         print("[bench] llama3-8b device-parameter study ...", file=sys.stderr, flush=True)
         study = device_study("llama3-8b", gpu_gbs=gpu_gbs)
+    print("[bench] batched decode (timing model) ...", file=sys.stderr, flush=True)
+    batch = bench_batch(gpu_gbs=gpu_gbs)  # issue 17 item 5: nhil.timing.batch
     from nhil.compiler.schedule import PIPELINE
 
     t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PIPELINE)})")
@@ -373,7 +379,8 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     Console(width=160).print(t)
     if ab or study:
         Console(width=180).print(_ablation_table(ab, study))
-    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else [])
+    Console(width=180).print(batch_rich_table(batch))
+    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else []) + [{"batch": batch}]
     atomic_write_text(output, json.dumps(out, indent=2, default=float))
     print(f"[bench] saved {output}", file=sys.stderr)
     return rows

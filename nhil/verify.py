@@ -274,27 +274,52 @@ def _finish(run: "_Run") -> None:
     write_junit(run.dir / "junit.xml", [run.report])
 
 
-def _tight_reference(run: "_Run", compiled, prompt_ids: list[int], golden_tokens: list[int], has_moe: bool):
-    """The device-numerics reference, teacher-forced on the same inputs (the tight tier's other side)."""
+def _reference_outputs(run: "_Run", bundle, built: dict, device, max_len: int, prompt_ids: list[int], golden_tokens: list[int], cache_info: dict) -> dict:
+    """The tight tier's other side: the device-numerics reference teacher-forced on the same inputs, and for MoE
+    models the golden's (fp32 graph) and the device's router logits (``nhil.golden.routing``).
+
+    Content-addressed with the program (``nhil.compiler.cache.cached_tensors``: the program key + prompt + golden
+    tokens), so a warm run needs no graph; a miss uses the graph of this run's compile, or exports and raises again.
+
+    Returns:
+        ``{"logits" [T, V], "acts" {name: [positions, H]}, "rules" [routing rule per MoE layer],
+        "router_golden" / "router_device" [positions][layer] -> [E]}`` (float32 numpy).
+    """
+    from nhil.compiler import cache as pcache
+    from nhil.compiler import pipeline
     from nhil.golden.quant_reference import QuantReference
+    from nhil.golden.routing import RouterProbe, routing_rules
     from nhil.runtime import run_teacher_forced
 
-    with run.stage("reference"):
-        ref = QuantReference(compiled.gm, compiled.plan)
-        out = run_teacher_forced(ref, prompt_ids, golden_tokens)
-    return out, (ref.router_logits if has_moe else None)
+    def build():
+        c = built.get("compiled")
+        with run.stage("reference"):
+            if c is None:  # program from the cache, reference not yet: the graph again
+                _, raised = pipeline.export_and_raise(bundle, max_len)
+                gm, plan = raised.gm, (pipeline.quant_plan(run.o.quant, raised, bundle) if run.o.quant not in ("", "bf16") else None)
+            else:
+                gm, plan = c.gm, c.plan
+            qr = QuantReference(gm, plan)
+            out = run_teacher_forced(qr, prompt_ids, golden_tokens)
+            arrays = {"logits": out.logits, **{f"acts/{k}": v for k, v in out.acts.items()}}
+            rules = routing_rules(gm)
+            if rules:
+                probe = RouterProbe(gm)
+                run_teacher_forced(probe, prompt_ids, golden_tokens)
+                arrays["router/golden"] = np.stack([np.stack(p) for p in probe.router_logits])
+                arrays["router/device"] = np.stack([np.stack(p) for p in qr.router_logits])
+        return arrays, {"rules": rules}
 
-
-def _routing(run: "_Run", compiled, prompt_ids, golden_tokens, device_router, thresholds) -> list[dict]:
-    """Expert selections that differ from the golden's (fp32 graph) and whether each is a near tie (``nhil.golden.routing``)."""
-    from nhil.golden.routing import RouterProbe, routing_differences
-    from nhil.runtime import run_teacher_forced
-
-    with run.stage("routing"):
-        probe = RouterProbe(compiled.gm)
-        run_teacher_forced(probe, prompt_ids, golden_tokens)
-        floor = float(((thresholds.get("hidden") or {}).get("sqnr_db") or {}).get("min", 30.0))
-        return routing_differences(compiled.gm, probe.router_logits, device_router, len(prompt_ids), floor)
+    if pcache.enabled() and cache_info.get("key"):
+        parts = {"kind": "device-reference", "program": cache_info["key"], "prompt_ids": list(prompt_ids), "golden_tokens": list(golden_tokens)}
+        arrays, meta, info = pcache.cached_tensors(parts, build)
+        run.report["reference_cache"] = info
+    else:
+        arrays, meta = build()
+    rules = meta.get("rules") or []
+    unstack = lambda a: [list(p) for p in a] if a is not None else []  # noqa: E731
+    return {"logits": arrays["logits"], "acts": {k.removeprefix("acts/"): v for k, v in arrays.items() if k.startswith("acts/")}, "rules": rules,
+            "router_golden": unstack(arrays.get("router/golden")), "router_device": unstack(arrays.get("router/device"))}
 
 
 def _layer_names(gt) -> list[str]:
@@ -307,7 +332,7 @@ def _verify(run: _Run) -> None:
     from nhil.compiler import pipeline
     from nhil.golden import accuracy, metrics, verdict
     from nhil.golden.generate import generate_golden
-    from nhil.golden.routing import moe_nodes
+    from nhil.golden.routing import routing_differences
     from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
     from nhil.golden.tight import compare_bits
     from nhil.isa import DEVICE_PRESETS, Program
@@ -359,36 +384,44 @@ def _verify(run: _Run) -> None:
     R["device"] = dataclasses.asdict(device)
     R["max_cache_len"] = max_len
 
-    compiled = pipeline.compile(bundle, device, o.quant, o.passes, max_cache_len=max_len, model_name=o.model, stage=run.stage)
-    program = compiled.program
-    R["export_nodes"] = len(compiled.exported.graph.nodes)
-    R["raised_primitives"] = dict(compiled.raised.counts)
-    R["passes"] = list(compiled.passes)
-    R["pass_log"] = [p.as_dict() for p in compiled.pass_log]
     profile = PROFILE
-    if compiled.plan is not None:
+    if o.quant != "bf16":
         from nhil.compiler.quantize import tolerance_profile
 
         profile = tolerance_profile(o.quant, o.model)
     thresholds = accuracy.effective_thresholds(profile, overrides, R, log=_log)
     judged = thresholds.get("judged", True)
-    if compiled.plan is not None:
-        qi = program.info["quant"]
-        R["quant"] = {"recipe": o.quant, "profile": profile, "plan": qi["recipe"], "matrices_per_format": qi["matrices_per_format"], "weight_bytes": qi["weight_bytes"], "weight_formats": program.info["weight_formats"]}
     R["accuracy_judged"] = bool(judged)
     if not judged:
         R["accuracy_not_judged"] = thresholds.get("not_judged_reason", "no measured threshold")
-    with run.stage("encode"):
-        blob = program.encode()
-        program = Program.decode(blob, source="<encoded program>")
-        same = program.encode() == blob
-        run.check("program_round_trip", same, f".pimb of {len(blob)} bytes decodes and re-encodes byte-identically")
-        if o.save_program and len(blob) <= SAVE_PROGRAM_MAX_BYTES:
-            from nhil.util import atomic_write_bytes
+    built: dict = {}
 
-            atomic_write_bytes(run.dir / "program.pimb", blob)
+    def compile_program():
+        """The pipeline (export, raise, quantize, lower, passes) and the .pimb round trip; run on a program-cache miss."""
+        c = built["compiled"] = pipeline.compile(bundle, device, o.quant, o.passes, max_cache_len=max_len, model_name=o.model, stage=run.stage)
+        with run.stage("encode"):
+            blob = c.program.encode()
+            prog = Program.decode(blob, source="<encoded program>")
+            run.check("program_round_trip", prog.encode() == blob, f".pimb of {len(blob)} bytes decodes and re-encodes byte-identically")
+        meta = {"export_nodes": len(c.exported.graph.nodes), "raised_primitives": dict(c.raised.counts), "pass_log": [p.as_dict() for p in c.pass_log]}
+        return prog, meta, blob
+
+    from nhil.compiler import cache as pcache  # warm verify: content-addressed program cache (NHIL_CACHE=0 disables)
+
+    program, meta, R["program_cache"] = pcache.cached_verify_compile(o.model, bundle, o.quant, device, max_len, compile_program, R["timings"], run.check, passes=o.passes)
+    R["export_nodes"], R["raised_primitives"] = meta.get("export_nodes"), meta.get("raised_primitives")
+    R["passes"] = list(program.info.get("passes", []))
+    R["pass_log"] = meta.get("pass_log", [])
+    if o.quant != "bf16":
+        qi = program.info["quant"]
+        R["quant"] = {"recipe": o.quant, "profile": profile, "plan": qi["recipe"], "matrices_per_format": qi["matrices_per_format"], "weight_bytes": qi["weight_bytes"], "weight_formats": program.info["weight_formats"]}
+    blob_len = R["program_cache"]["bytes"]
+    if o.save_program and blob_len <= SAVE_PROGRAM_MAX_BYTES:
+        from nhil.util import atomic_write_bytes
+
+        atomic_write_bytes(run.dir / "program.pimb", program.encode())
     R["program"] = {
-        "bytes": len(blob),
+        "bytes": blob_len,
         "instructions": len(program.instrs),
         "host_ops": len(program.host_ops),
         "bank_rows": len(program.bank_images),
@@ -437,10 +470,9 @@ def _verify(run: _Run) -> None:
         R["target_token_text"] = [bundle.decode([t]) for t in tf.tokens]
 
     # ---- tight tier: target == device-numerics reference, bit for bit
-    has_moe = bool(moe_nodes(compiled.gm))
-    ref, device_router = _tight_reference(run, compiled, prompt_ids, golden_tokens, has_moe)
+    ref = _reference_outputs(run, bundle, built, device, max_len, prompt_ids, golden_tokens, R["program_cache"])
     names = _layer_names(gt)
-    tight = compare_bits(ref.logits, tf.logits, ref.acts, tf.acts, len(prompt_ids), names)
+    tight = compare_bits(ref["logits"], tf.logits, ref["acts"], tf.acts, len(prompt_ids), names)
     R["tight"] = tight
     fd = tight["first_difference"]
     where = "" if fd is None else (f"first difference at {'step ' + str(fd['step']) + ' (position ' + str(fd['position']) + ')' if 'step' in fd else 'position ' + str(fd['position'])}, "
@@ -451,7 +483,9 @@ def _verify(run: _Run) -> None:
 
     # ---- accuracy tier: target vs the fp32 eager golden
     with run.stage("compare"):
-        routing = _routing(run, compiled, prompt_ids, golden_tokens, device_router, thresholds) if has_moe else []
+        floor = float(((thresholds.get("hidden") or {}).get("sqnr_db") or {}).get("min", 30.0))
+        has_moe = bool(ref["rules"])
+        routing = routing_differences(ref["rules"], ref["router_golden"], ref["router_device"], len(prompt_ids), floor) if has_moe else []
         R["routing_differences"] = routing
         routing_ties = {r["position"]: {"layer": r["layer"], "module": r["module"], "golden_experts": r["golden_experts"], "device_experts": r["device_experts"],
                                         "gap": r["gap"], "sigma": r["sigma"]} for r in routing if r["near_tie"]}

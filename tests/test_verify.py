@@ -74,7 +74,12 @@ def test_a_numerics_bug_in_the_target_is_caught_and_localised(dirs, monkeypatch)
     def buggy(acc, w, a):
         return real(acc, w[..., :-16], a[..., :-16]) if w.shape[-1] > 16 else real(acc, w, a)
 
-    monkeypatch.setattr(dev_mod, "mac_bursts", buggy)
+    monkeypatch.setattr(dev_mod, "mac_bursts", buggy)  # the reference path (PimState.step)
+    from nhil.targets.sim import kernels
+
+    if kernels.AVAILABLE:  # the fast path's compiled bf16 MAC: the same bug
+        real_k = kernels.mac_bf16
+        monkeypatch.setattr(kernels, "mac_bf16", lambda mem, gb, acc, c0, c1, b0, b1, s, k, col, n: real_k(mem, gb, acc, c0, c1, b0, b1, s, k, col, n - 1 if n > 1 else n))
     rep = verify(VerifyOptions(model="llama-tiny", target="sim", tokens=4, **dirs))
     assert rep["outcome"] == "MISMATCH"
     assert rep["first_divergent_layer"]["layer"] == "model.layers.0"

@@ -72,8 +72,11 @@ def select(logits: np.ndarray, rule: dict) -> list[int]:
     """Expert ids the routing rule picks from router logits [E] (slot order)."""
     from nhil.compiler.primitives import moe_routing
 
+    bias = rule["score_bias"]
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        bias = torch.tensor(bias, dtype=torch.float32)
     _, ids = moe_routing(torch.from_numpy(np.asarray(logits, np.float32)).reshape(1, -1), rule["top_k"], rule["score_func"], rule["norm_topk_prob"],
-                         rule["score_bias"], rule["n_group"], rule["topk_group"], rule["routed_scaling_factor"], softmax_after_topk=rule["softmax_after_topk"])
+                         bias, rule["n_group"], rule["topk_group"], rule["routed_scaling_factor"], softmax_after_topk=rule["softmax_after_topk"])
     return [int(i) for i in ids.reshape(-1)]
 
 
@@ -121,12 +124,23 @@ class RouterProbe(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def routing_differences(gm: torch.fx.GraphModule, golden: list[list[np.ndarray]], device: list[list[np.ndarray]], prompt_len: int,
+def routing_rules(gm: torch.fx.GraphModule) -> list[dict]:
+    """JSON-able routing rules of every ``nhil::moe`` node (graph order): :func:`routing_rule` with ``score_bias`` as a list."""
+    out = []
+    for n in moe_nodes(gm):
+        r = routing_rule(gm, n)
+        if r["score_bias"] is not None:
+            r["score_bias"] = [float(v) for v in torch.as_tensor(r["score_bias"]).reshape(-1).tolist()]
+        out.append(r)
+    return out
+
+
+def routing_differences(rules, golden: list[list[np.ndarray]], device: list[list[np.ndarray]], prompt_len: int,
                         hidden_sqnr_floor_db: float) -> list[dict]:
     """Every (position, MoE layer) where the device's expert selection differs from the golden's.
 
     Args:
-        gm: the raised graph (routing rules of its ``nhil::moe`` nodes).
+        rules: :func:`routing_rules` of the raised graph (or the graph itself).
         golden / device: per position (teacher-forced, positions 0..), per MoE layer,
             router logits float32 [E] (:class:`RouterProbe` and the reference's).
         prompt_len: P (position ``p >= P - 1`` is decode step ``p - P + 1``).
@@ -138,8 +152,8 @@ def routing_differences(gm: torch.fx.GraphModule, golden: list[list[np.ndarray]]
         ``gap`` (golden router-logit gap between the swapped experts: the smallest
         ``logit[golden-only] - logit[device-only]``), ``sigma``, ``near_tie`` (bool).
     """
-    nodes = moe_nodes(gm)
-    rules = [routing_rule(gm, n) for n in nodes]
+    if isinstance(rules, torch.fx.GraphModule) or hasattr(rules, "graph"):
+        rules = [routing_rule(rules, n) for n in moe_nodes(rules)]
     rel = 10.0 ** (-hidden_sqnr_floor_db / 20.0)
     out = []
     for pos, (gl, dl) in enumerate(zip(golden, device)):

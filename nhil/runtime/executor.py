@@ -88,6 +88,7 @@ class Runner:
         self.moe_trace: list[tuple[int, list[int]]] = []  # (MoE layer, routed expert ids in slot order) per dispatch
         self.steps = 0
         self._loaded = False
+        self._static: dict[int, ResolvedInstr] = {}  # instruction index -> its binding, for instructions without position flags or data
 
     def reset(self) -> None:
         """Load the program into the target (weights, zeroed KV rows); later calls ``reload`` it, which a target with
@@ -106,7 +107,17 @@ class Runner:
             return self.bufs[name]
         return self.images[name]
 
-    def _resolve(self, i: int, pos: int) -> ResolvedInstr:
+    def _resolve(self, i: int, pos: int, bits: dict | None = None) -> ResolvedInstr:
+        """Bind instruction ``i`` for position ``pos`` (docs/isa.md "Position-relative instructions").
+
+        ``bits``: per-block cache of ``buffer name -> bf16 bits of the whole buffer``; within a
+        device block the host buffers do not change (readbacks land after the block), so each
+        buffer is rounded once per block instead of once per instruction (same bits: RNE is
+        elementwise). Instructions with neither position flags nor data are bound once per run.
+        """
+        r = self._static.get(i)
+        if r is not None:
+            return r
         ins = self.p.instrs[i]
         d = self.d
         payload = None
@@ -120,17 +131,24 @@ class Runner:
         info = OPINFO[ins.op]
         if info.data_in:
             o = self.p.operands[ins.operand]
-            vals = self.bufs[o.buffer][o.offset : o.offset + o.count]
             if ins.op is Op.WR_ACC:
-                payload = np.ascontiguousarray(vals, dtype=np.float32)
+                payload = np.ascontiguousarray(self.bufs[o.buffer][o.offset : o.offset + o.count], dtype=np.float32)
             else:
+                if bits is None:
+                    bits = {}
+                b = bits.get(o.buffer)
+                if b is None:
+                    b = bits[o.buffer] = f32_to_bf16_bits(self.bufs[o.buffer])
                 n = d.lanes if ins.op is Op.WR_SBK else ins.n * d.lanes
                 payload = np.zeros(n, np.uint16)
                 if lane is not None:
-                    payload[lane] = f32_to_bf16_bits(vals)[0]
+                    payload[lane] = b[o.offset]
                 else:
-                    payload[: o.count] = f32_to_bf16_bits(vals)
-        return ResolvedInstr(i, ins, payload)
+                    payload[: o.count] = b[o.offset : o.offset + o.count]
+        r = ResolvedInstr(i, ins, payload)
+        if not info.data_in and not ins.flags & (FLAG_POS_SLOT | FLAG_POS_COL) and r.instr is self.p.instrs[i]:
+            self._static[i] = r
+        return r
 
     def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
         """Run the program once for ``token`` at cache position ``pos``.
@@ -164,7 +182,8 @@ class Runner:
                 outs = [self.bufs[n] for n in h.outputs]
                 KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
             else:
-                block = [self._resolve(i, pos) for i in seg]
+                bits: dict = {}
+                block = [self._resolve(i, pos, bits) for i in seg]
                 rbs = self.t.execute(block)
                 it = iter(rbs)
                 for r in block:

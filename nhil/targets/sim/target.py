@@ -10,6 +10,7 @@ from nhil.isa.program import Program
 from nhil.numerics.formats import DEVICE_FORMATS
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.sim.device import PimState
+from nhil.targets.sim.fast import FastPimState
 
 
 class SimTarget(Target):
@@ -18,12 +19,16 @@ class SimTarget(Target):
     Args:
         device: a DeviceConfig or preset name; ``None`` adopts the device of the loaded
             program (the simulator can model any size).
+        reference: execute every instruction with ``PimState.step`` (the per-instruction
+            reference semantics) instead of the fast path (``nhil.targets.sim.fast``:
+            compiled bf16 MACs, batched KV appends), which must give the same bits.
     """
 
     name = "sim"
 
-    def __init__(self, device: DeviceConfig | str | None = None, **_ignored) -> None:
+    def __init__(self, device: DeviceConfig | str | None = None, reference: bool = False, **_ignored) -> None:
         self._fixed = DEVICE_PRESETS[device] if isinstance(device, str) else device
+        self.reference = bool(reference)
         self.state: PimState | None = None
         self._digest = ReadbackDigest()
 
@@ -33,13 +38,15 @@ class SimTarget(Target):
     def load(self, program: Program) -> None:
         dev = self._fixed or program.device
         check_program_fits(program, Capabilities(0, DEVICE_OPS, DEVICE_FORMATS, dev), self.name)
-        self.state = PimState(dev, reserve_rows=len(program.bank_images) + 8)
+        self.state = (PimState if self.reference else FastPimState)(dev, reserve_rows=len(program.bank_images) + 8)
         self.state.load_images(program.bank_images)
         self._digest = ReadbackDigest()
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         st = self.state
         assert st is not None, "load() a program first"
+        if not self.reference:
+            return st.run_block(block, self._digest)
         out = []
         for idx, ins, payload in block:
             r = st.step(idx, ins, payload)

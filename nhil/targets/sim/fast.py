@@ -1,0 +1,125 @@
+"""The simulator's fast path: the same ISA semantics as ``PimState.step``, fewer Python steps per instruction.
+
+``FastPimState.run_block`` executes a block of resolved instructions and gives the same
+state, readbacks, counters and errors as calling ``PimState.step`` on each in turn
+(``SimTarget(reference=True)`` keeps that per-instruction path as the reference):
+
+* **bf16 MACs** (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0) run in the compiled kernel
+  of ``nhil.targets.sim.kernels``: weights are read from the bank state in place (no
+  per-MAC copy and fp32 decode of the row), bursts summed in their fixed order. An
+  instruction's bounds are checked once per distinct instruction word (cached); one that
+  fails its checks goes to ``PimState.step``, which raises the named error.
+* **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
+  distinct locations become one scatter into the bank state.
+* Everything else (and quantized MACs, whose decoded rows ``PimState`` already caches per
+  (row, format)) is ``PimState.step``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nhil.isa.instr import ALL_CH, CFR_W_FMT, Op
+from nhil.targets.sim import kernels
+from nhil.targets.sim.device import PimState
+
+
+class FastPimState(PimState):
+    """``PimState`` plus :meth:`run_block` (see the module docstring)."""
+
+    def __init__(self, device, reserve_rows: int = 8) -> None:
+        super().__init__(device, reserve_rows)
+        self._mac_ok: dict = {}  # instruction word -> (c0, c1, b0, b1) once its bounds passed
+
+    def run_block(self, block, digest) -> list[np.ndarray]:
+        """Execute ``block`` (``ResolvedInstr`` list) in order; readbacks are returned and fed to ``digest``.
+
+        Raises:
+            RunError: as ``PimState.step`` (the first failing instruction, by name).
+        """
+        out = []
+        n = len(block)
+        i = 0
+        while i < n:
+            idx, ins, payload = block[i]
+            op = ins.op
+            if (op is Op.MAC_AB or op is Op.MAC_SB) and kernels.AVAILABLE and self._mac(ins):
+                i += 1
+                continue
+            if op is Op.WR_SBK:
+                j = i + 1
+                while j < n and block[j][1].op is Op.WR_SBK:
+                    j += 1
+                if j - i > 1 and self._wr_sbk_run(block, i, j):
+                    i = j
+                    continue
+            r = self.step(idx, ins, payload)
+            if r is not None:
+                out.append(r)
+                digest.add(r)
+            elif op is Op.SYNC:
+                digest.sync(idx)
+            i += 1
+        return out
+
+    def _mac(self, ins) -> bool:
+        """One bf16 MAC through the kernel; False (nothing done) when it needs ``step`` (bad bounds, quantized rows)."""
+        d = self.d
+        v = self._mac_ok.get(ins)
+        if v is None:
+            if ins.row >= d.rows or ins.k >= d.accumulators or ins.n == 0 or (ins.col + ins.n) * d.lanes > d.cols:
+                return False
+            if ins.flags & ALL_CH:
+                c0, c1 = 0, d.channels
+            elif ins.ch < d.channels:
+                c0, c1 = ins.ch, ins.ch + 1
+            else:
+                return False
+            if ins.op is Op.MAC_SB:
+                if ins.bank >= d.banks:
+                    return False
+                b0, b1 = ins.bank, ins.bank + 1
+            else:
+                b0, b1 = 0, d.banks
+            v = self._mac_ok[ins] = (c0, c1, b0, b1)
+        c0, c1, b0, b1 = v
+        if self.cfr[c0:c1, CFR_W_FMT].any():
+            return False
+        name = ins.op.name
+        self.counts[name] = self.counts.get(name, 0) + 1
+        kernels.mac_bf16(self.mem, self.gb, self.acc, c0, c1, b0, b1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n)
+        self.macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
+        return True
+
+    def _wr_sbk_run(self, block, i: int, j: int) -> bool:
+        """WR_SBK ``block[i:j]`` as one scatter; False (nothing done) unless every one is single-channel, in bounds,
+        with a valid payload, and no two write the same element (then ``step`` runs them one by one)."""
+        d = self.d
+        L = d.lanes
+        m = j - i
+        ch = np.empty(m, np.int64)
+        bank = np.empty(m, np.int64)
+        row = np.empty(m, np.int64)
+        col = np.empty(m, np.int64)
+        imm = np.empty(m, np.int64)
+        pay = np.empty((m, L), np.uint16)
+        for t in range(m):
+            _, ins, p = block[i + t]
+            if (ins.flags & ALL_CH or ins.ch >= d.channels or ins.bank >= d.banks or ins.row >= d.rows or (ins.col + 1) * L > d.cols
+                    or p is None or p.size != L or p.dtype != np.uint16):
+                return False
+            ch[t], bank[t], row[t], col[t], imm[t] = ins.ch, ins.bank, ins.row, ins.col, ins.imm
+            pay[t] = p
+        mask = ((imm[:, None] >> np.arange(L)) & 1).astype(bool)  # [m, L]
+        tt, lane = np.nonzero(mask)
+        key = ((ch[tt] * d.banks + bank[tt]) * d.rows + row[tt]) * d.cols + col[tt] * L + lane
+        if np.unique(key).size != key.size:
+            return False
+        slots = np.empty(m, np.int64)
+        for t in range(m):  # allocate in instruction order, as step would
+            slots[t] = self.slot(int(row[t]), allocate=True)
+        for s in np.unique(slots):
+            self.drop_decoded(int(s))
+        self.mem[ch[tt], bank[tt], slots[tt], col[tt] * L + lane] = pay[tt, lane]
+        self.counts["WR_SBK"] = self.counts.get("WR_SBK", 0) + m
+        return True
