@@ -10,7 +10,6 @@ COMPILE_FAIL, LOAD_FAIL, LINK_FAIL, RUN_FAIL, CRASH, MISMATCH, PASS.
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import json
 import math
 import os
@@ -139,10 +138,9 @@ def _disarm(old) -> None:
 class _Run:
     def __init__(self, opts: VerifyOptions) -> None:
         self.o = opts
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-        qtag = "" if opts.quant == "bf16" else "-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in opts.quant)
-        self.dir = Path(opts.runs_dir) / f"{stamp}-{opts.model}-{opts.target}{qtag}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        from nhil.args import new_run_dir
+
+        self.dir = new_run_dir(opts.runs_dir, opts.model, opts.target, None if opts.quant == "bf16" else opts.quant)  # sanitised, unique
         self.report: dict = {
             "outcome": "INCOMPLETE",
             "stage": "start",
@@ -207,7 +205,15 @@ def verify(opts: VerifyOptions) -> dict:
     Never raises for user-facing failures: they become the report's outcome with a
     message; an unexpected exception becomes CRASH with its traceback saved to
     ``<run>/traceback.txt``.
+
+    Raises:
+        nhil.args.UsageError: a bad argument (unknown model/target/quant/device name, a
+            recipe that does not fit the model, bad PROMPT/TOKENS/SEED/REPEAT), found
+            before any work and before the run folder is made.
     """
+    from nhil.args import check_verify_args
+
+    check_verify_args(opts)
     run = _Run(opts)
     try:
         _verify(run)
@@ -306,7 +312,9 @@ def _verify(run: _Run) -> None:
     from nhil.compiler.lower import lower_decode_graph
     from nhil.golden import metrics
     from nhil.golden.generate import generate_golden
-    from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
+    from nhil.golden.cache import obtain_golden
+    from nhil.golden.schema import golden_shapes
+    from nhil.golden.store import golden_key, golden_path
     from nhil.golden.tolerances import check, failing
     from nhil.isa import DEVICE_PRESETS, Program
     from nhil.models import get_model
@@ -331,13 +339,8 @@ def _verify(run: _Run) -> None:
         key = golden_key(prompt_ids, o.tokens, bundle.weights_id, seed=o.seed)
         gpath = golden_path(o.goldens_dir, o.model, key)
         expect = {"model": o.model, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
-        if gpath.exists() and not o.regen:
-            gt, gmeta = load_golden(gpath, expect=expect)
-            R["golden"] = {"path": str(gpath), "reused": True}
-        else:
-            gt, gmeta = generate_golden(bundle, prompt_ids, o.tokens, seed=o.seed, prompt_text=R["prompt"])
-            sha = write_golden(gpath, gt, gmeta)
-            R["golden"] = {"path": str(gpath), "reused": False, "sha256": sha}
+        gt, gmeta, R["golden"] = obtain_golden(gpath, expect, o.regen, lambda: generate_golden(bundle, prompt_ids, o.tokens, seed=o.seed, prompt_text=R["prompt"]),
+                                               shapes=golden_shapes(bundle.model))  # once per key, under its lock
     golden_tokens = [int(t) for t in gt["tokens"].tolist()]
     R["golden_tokens"] = golden_tokens
     R["golden_text"] = bundle.decode(golden_tokens)

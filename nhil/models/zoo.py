@@ -17,7 +17,6 @@ from N(0, 0.1) so that the bias-corrected expert selection differs from the plai
 
 from __future__ import annotations
 
-import torch
 
 from nhil.models.registry import ModelBundle, register
 
@@ -105,6 +104,7 @@ def build_config(name: str):
 
 def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
     """Build zoo entry ``name`` with seeded weights (see the module docstring)."""
+    import torch
     import transformers
 
     _, model_cls, _, notes = ZOO[name]
@@ -126,4 +126,4 @@ def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
 
 
 for _name, (_c, _m, _kw, _notes) in ZOO.items():
-    register(_name, f"{_m} tiny seeded: {_notes}")(lambda n=_name: build_zoo_model(n, SEEDS.get(n, 0)))
+    register(_name, f"{_m} tiny seeded: {_notes}", tokenizer=False, vocab_size=_kw.get("vocab_size"))(lambda n=_name: build_zoo_model(n, SEEDS.get(n, 0)))
