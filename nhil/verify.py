@@ -212,6 +212,7 @@ def verify(opts: VerifyOptions) -> dict:
             before any work and before the run folder is made.
     """
     from nhil.args import check_verify_args
+    from nhil.failure import keep_failure_context
 
     check_verify_args(opts)
     run = _Run(opts)
@@ -222,10 +223,12 @@ def verify(opts: VerifyOptions) -> dict:
         run.report["error"] = str(e)
         if getattr(e, "detail", None):
             run.report["cross_target_first_mismatch"] = e.detail
+        keep_failure_context(run.report, e, getattr(run, "dut", None))  # link counters + a failed check
     except Exception as e:  # noqa: BLE001 - turned into a CRASH outcome with the traceback kept
         run.report["outcome"] = "CRASH"
         run.report["error"] = f"{type(e).__name__}: {e} (traceback in {run.dir / 'traceback.txt'})"
         (run.dir / "traceback.txt").write_text(traceback.format_exc())
+        keep_failure_context(run.report, e, getattr(run, "dut", None))
     _finish(run)
     return run.report
 
@@ -354,7 +357,9 @@ def _verify(run: _Run) -> None:
         topts.setdefault("device", o.device)
     elif o.target == "sim":
         topts.setdefault("device", "aim-like")
+    R["stage"] = "open_target"  # a LINK_FAIL during HELLO is this stage's, not the golden's
     target = get_target(o.target, **topts)
+    run.dut = target  # for keep_failure_context
     device = target.capabilities().device  # compile for the device behind the target
     max_len = int(math.ceil((len(prompt_ids) + o.tokens) / 16) * 16)
     R["device"] = dataclasses.asdict(device)
@@ -407,7 +412,7 @@ def _verify(run: _Run) -> None:
         target.close()
         raise NotClaimed(f"not claimed: target {o.target} does not implement {', '.join(missing)} (its capabilities() list what it claims; "
                          f"`nhil targets` shows them); the run is skipped, not passed")
-    dut = LockstepTarget(target) if (o.lockstep and o.target != "sim") else target
+    dut = run.dut = LockstepTarget(target) if (o.lockstep and o.target != "sim") else target
     with dut:
         runner = Runner(program, dut)
         R["program"]["device_instructions_per_step"] = runner.device_instructions
