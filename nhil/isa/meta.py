@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, model_validator
 
 from nhil.errors import ProgramFormatError
 
 MAX_ELEMS = 1 << 28  # largest host buffer / image (elements; 1 GiB of fp32)
 MAX_DIM = 1 << 16  # largest device dimension (channels, banks, lanes, accumulators) a config may name
+MAX_ROW_SET_BYTES = 16 << 20  # channels x banks x row_bytes: 16x the aim-like device (1 MiB)
 
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_ELEMS)]
 Size = Annotated[StrictInt, Field(gt=0, le=MAX_ELEMS)]
@@ -39,6 +40,18 @@ class DeviceMeta(_Strict):
     accumulators: Annotated[StrictInt, Field(gt=0, le=256)]
     gb_bytes: Annotated[StrictInt, Field(gt=0, le=1 << 20)]
     clock_hz: StrictFloat | StrictInt
+
+    @model_validator(mode="after")
+    def _fits(self):
+        cols = self.row_bytes // 2
+        if self.row_bytes % 2 or cols % self.lanes or (self.gb_bytes // 2) % self.lanes or self.gb_bytes % 2:
+            raise ValueError(f"row_bytes {self.row_bytes} and gb_bytes {self.gb_bytes} must hold whole bursts of {self.lanes} bf16 lanes")
+        if self.channels * self.banks * self.row_bytes > MAX_ROW_SET_BYTES:
+            raise ValueError(f"one row across {self.channels} channels x {self.banks} banks is {self.channels * self.banks * self.row_bytes} bytes, "
+                             f"over the {MAX_ROW_SET_BYTES >> 20} MiB any nhil target models")
+        if not (0 < float(self.clock_hz) < 1e12):
+            raise ValueError(f"clock_hz {self.clock_hz} is not a clock rate in Hz")
+        return self
 
 
 class HostOpMeta(_Strict):
@@ -94,6 +107,8 @@ def parse_meta(obj: Any, source: str) -> dict:
     for b in m.bank_images:
         if not b.zero and None in (b.offset, b.nbytes, b.slots, b.cols):
             raise ProgramFormatError(f"{source}: malformed metadata: bank image row {b.row} is not zero and lacks offset/nbytes/slots/cols")
+    if sum(m.buffers.values()) > MAX_ELEMS:
+        raise ProgramFormatError(f"{source}: malformed metadata: host buffers total {sum(m.buffers.values())} elements, over {MAX_ELEMS}")
     for h in m.host_images:
         n = 1
         for s in h.shape:

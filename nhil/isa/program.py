@@ -352,9 +352,12 @@ class Program:
         """
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(_HEAD.size)
-                _check_head(head, os.fstat(f.fileno()).st_size, str(path))  # before reading the body
-                data = head + f.read()
+                _check_head(head, size, str(path))  # before reading the body
+                _check_layout(f, _HEAD.unpack(head)[4], size, str(path))
+                f.seek(0)
+                data = f.read()
         except OSError as e:
             raise ProgramFormatError(f"cannot read program {path}: {e.strerror}") from None
         return cls.decode(data, source=str(path))
@@ -385,6 +388,24 @@ def _check_head(head: bytes, size: int, source: str) -> None:
         raise ProgramFormatError(f"{source}: metadata length {mlen} does not fit the {size}-byte file (truncated or corrupt)")
     if size > MAX_PROGRAM_BYTES:
         raise ProgramFormatError(f"{source}: {size} bytes exceeds the {MAX_PROGRAM_BYTES >> 30} GiB program limit")
+
+
+def _check_layout(f, mlen: int, size: int, source: str) -> None:
+    """Seek past the metadata and the instructions, reading only the two counts, and check the
+    section lengths add up to the file size (a file that cannot be a program is never read whole).
+
+    Raises:
+        ProgramFormatError: the counts run past the end of the file or leave bytes over.
+    """
+    pos = _HEAD.size + mlen
+    f.seek(pos)
+    (n,) = _U64.unpack(f.read(8))
+    if pos + 8 + n * WORD_BYTES + 8 + 4 > size:
+        raise ProgramFormatError(f"{source}: {n} instructions run past the end of the {size}-byte file (truncated?)")
+    f.seek(pos + 8 + n * WORD_BYTES)
+    (blob_len,) = _U64.unpack(f.read(8))
+    if pos + 8 + n * WORD_BYTES + 8 + blob_len + 4 != size:
+        raise ProgramFormatError(f"{source}: blob length {blob_len} does not match the {size}-byte file (truncated or corrupt)")
 
 
 def _used_rect(data: np.ndarray, device: DeviceConfig) -> tuple[int, int]:
