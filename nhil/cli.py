@@ -144,6 +144,29 @@ def verify(
         raise typer.Exit(1)
 
 
+@app.command("run")
+def run_cmd(
+    program: Path = typer.Argument(..., help="a .pimb program (with --golden) or a handoff bundle folder (`nhil compile --bundle`)"),
+    target: str = typer.Option("sim", "--target", "-t"),
+    golden: Optional[Path] = typer.Option(None, help="golden .safetensors whose prompt/tokens are fed and whose logits are compared (default: the bundle's)"),
+    option: list[str] = typer.Option([], "--option", "-O", help="target option key=value (repeatable)"),
+    no_lockstep: bool = typer.Option(False, help="do not cross-check a non-sim target against the simulator"),
+    runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
+) -> None:
+    """Run a given program on TARGET with its golden's inputs and compare outputs; exit 0 only if every check passes."""
+    from nhil.report.writer import print_summary
+    from nhil.run_program import run_program
+
+    opts = dict(kv.partition("=")[::2] for kv in option)
+    rep = _checked(run_program, program, target, golden, runs_dir, opts, not no_lockstep)
+    print_summary(rep)
+    typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
+    if rep["outcome"] != "PASS":
+        if rep.get("error"):
+            typer.secho(f"{rep['outcome']}: {rep['error']}", fg="red", err=True)
+        raise typer.Exit(1)
+
+
 @app.command()
 def golden(
     model: str = typer.Option("llama", "--model", "-m"),
