@@ -21,7 +21,7 @@ d.gb_elems / L):
 | MAC_SB | same | < banks | < rows | < accumulators | same | |
 | RD_ACC | same | | | < accumulators | as WR_ACC | 1 .. n out |
 | WR_SBK | same | < banks | < rows | | col < row bursts | 1 .. L in |
-| RD_SBK | one channel, no ALL_CH | < banks | < rows | | n >= 1, col + n <= row bursts | 1 .. n*L out |
+| RD_SBK | one channel (ALL_CH only on a 1-channel device) | < banks | < rows | | n >= 1, col + n <= row bursts | 1 .. n*L out |
 | WR_ABK | same as WR_GB | | < rows | | n >= 1, col + n <= row bursts | 1 .. n*L in |
 | COPY_BK_GB, COPY_GB_BK | < channels or ALL_CH | < banks | < rows | | n >= 1, col + n <= min(row, gb) bursts | |
 | SET_CFR | < channels or ALL_CH | | | register 0 (imm 0/1) or 1 (weight format code) | | |
@@ -102,40 +102,39 @@ def check_instr(ins: Instr, d: DeviceConfig, operand_count: int | None = None) -
         return None
     pos_slot, pos_col = bool(ins.flags & FLAG_POS_SLOT), bool(ins.flags & FLAG_POS_COL)
     all_ch = bool(ins.flags & ALL_CH)
-    if s.chan == "one" and all_ch:
-        return f"flags ALL_CH: {ins.op.name} reads one channel"
+    # messages are the simulator's run-time ones (nhil.targets.sim.device), field name first
+    if s.chan == "one" and all_ch and d.channels != 1:
+        return f"{ins.op.name} reads one channel; ALL_CH is not allowed"
     if s.chan and not all_ch and not pos_slot and ins.ch >= d.channels:
-        return f"ch={ins.ch} >= {d.channels} channels"
-    if s.bank and not pos_slot and ins.bank >= d.banks:
-        return f"bank={ins.bank} >= {d.banks} banks"
+        return f"channel {ins.ch} >= {d.channels}"
     if s.row and ins.row >= d.rows:
-        return f"row={ins.row} >= {d.rows} rows"
+        return f"row {ins.row} >= {d.rows}"
     if s.k == "acc" and ins.k >= d.accumulators:
-        return f"k={ins.k} >= {d.accumulators} accumulators"
+        return f"accumulator {ins.k} >= {d.accumulators}"
+    if s.bank and not pos_slot and ins.bank >= d.banks:
+        return f"bank {ins.bank} >= {d.banks}"
     if s.k == "cfr":
         from nhil.isa.instr import CFR_ACC_RD_FMT, CFR_W_FMT
 
-        if ins.k == CFR_ACC_RD_FMT and ins.imm not in (0, 1):
-            return f"imm={ins.imm}: CFR {ins.k} (RD_ACC format) takes 0 or 1"
         if ins.k == CFR_W_FMT:
             from nhil.numerics.formats import BY_CODE
 
             if ins.imm != 0 and ins.imm not in BY_CODE:
-                return f"imm=0x{ins.imm:x}: not a weight format code (0 bf16, {', '.join(f'0x{c:x}' for c in sorted(BY_CODE))})"
-        elif ins.k != CFR_ACC_RD_FMT:
-            return f"k={ins.k}: ISA v0 has CFR registers 0 (RD_ACC format) and 1 (weight format)"
+                return (f"unknown weight format code 0x{ins.imm:x} for CFR W_FMT (known: 0 bf16, "
+                        f"{', '.join(f'0x{c:x} {f.name}' for c, f in sorted(BY_CODE.items()))})")
+        elif ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
+            return f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1; reg 1 = W_FMT)"
     row_b, gb_b = d.cols // d.lanes, d.gb_elems // d.lanes
+    what = {"row": "row", "gb": "global buffer", "row_gb": "row/global buffer", "one_burst": "row"}
     limit = {"row": row_b, "gb": gb_b, "row_gb": min(row_b, gb_b), "one_burst": row_b,
              "acc": (d.channels if all_ch else 1) * d.banks}.get(s.span)
     if limit is not None and not pos_col:
-        unit = "accumulator slots" if s.span == "acc" else "bursts"
-        if s.span == "one_burst":
-            if ins.col >= limit:
-                return f"col={ins.col} >= {limit} {unit} of a row"
-        elif ins.n == 0:
-            return "n=0: moves nothing"
-        elif ins.col + ins.n > limit:
-            return f"col={ins.col}, n={ins.n}: [{ins.col}, {ins.col + ins.n}) outside the {limit} {unit}"
+        n = 1 if s.span == "one_burst" else ins.n
+        if s.span == "acc":
+            if n == 0 or ins.col + n > limit:
+                return f"slots [{ins.col}, {ins.col + n}) outside the {limit} accumulators addressed"
+        elif n == 0 or ins.col + n > limit:
+            return f"bursts [{ins.col}, {ins.col + n}) outside the {what[s.span]} of {limit} bursts"
     if s.elems is not None and operand_count is not None:
         most = s.elems(ins, d)
         if ins.op is Op.WR_ACC and operand_count != most:
