@@ -41,12 +41,7 @@ from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import NO_OPERAND, OPINFO, RESERVED_OPS, WORD_BYTES, Instr, Op
 from nhil.isa.semantics import check_instr
 
-MAGIC = b"NHILPIMB"
-CONTAINER_VERSION = 1
-ISA_VERSION = 0
-_HEAD = struct.Struct("<8sHHIQ")
-_U64 = struct.Struct("<Q")
-MAX_META_BYTES = 64 << 20
+from nhil.isa.header import _HEAD, _U64, CONTAINER_VERSION, ISA_VERSION, MAGIC, MAX_META_BYTES, check_head, check_layout  # noqa: F401
 STEP_INPUTS = frozenset({"$token", "$pos"})  # per-step scalar inputs host ops may read
 
 
@@ -243,23 +238,12 @@ class Program:
                 ``source`` and what is wrong.
         """
         mv = memoryview(data)
-        if len(data) < _HEAD.size + 12:
-            raise ProgramFormatError(f"{source}: {len(data)} bytes is too short to be a .pimb program (truncated?)")
-        magic, cver, isa, rsv, mlen = _HEAD.unpack_from(mv, 0)
-        if rsv != 0:
-            raise ProgramFormatError(f"{source}: reserved header field is 0x{rsv:08x}, must be 0 (docs/program-format.md)")
-        if magic != MAGIC:
-            raise ProgramFormatError(f"{source}: not a .pimb program (magic {bytes(magic)!r}, expected {MAGIC!r})")
-        if cver != CONTAINER_VERSION:
-            raise ProgramFormatError(f"{source}: container version {cver}, this nhil reads version {CONTAINER_VERSION}; recompile with `nhil compile`")
-        if isa != ISA_VERSION:
-            raise ProgramFormatError(f"{source}: program is for ISA v{isa}, this nhil implements ISA v{ISA_VERSION}")
+        check_head(bytes(mv[: _HEAD.size]), len(data), source)
+        mlen = _HEAD.unpack_from(mv, 0)[4]
         stored_crc = struct.unpack_from("<I", mv, len(data) - 4)[0]
         if zlib.crc32(mv[:-4]) != stored_crc:
             raise ProgramFormatError(f"{source}: CRC-32 mismatch: the file is truncated or corrupt; recompile it")
         pos = _HEAD.size
-        if mlen > MAX_META_BYTES or pos + mlen + 8 > len(data) - 4:
-            raise ProgramFormatError(f"{source}: metadata length {mlen} runs past the end of the file (truncated?)")
         try:
             meta = json.loads(bytes(mv[pos : pos + mlen]).decode())
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -354,58 +338,13 @@ class Program:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(_HEAD.size)
-                _check_head(head, size, str(path))  # before reading the body
-                _check_layout(f, _HEAD.unpack(head)[4], size, str(path))
+                check_head(head, size, str(path))  # before reading the body
+                check_layout(f, _HEAD.unpack(head)[4], size, str(path))
                 f.seek(0)
                 data = f.read()
         except OSError as e:
             raise ProgramFormatError(f"cannot read program {path}: {e.strerror}") from None
         return cls.decode(data, source=str(path))
-
-
-MAX_PROGRAM_BYTES = 64 << 30  # larger files are refused before their body is read
-
-
-def _check_head(head: bytes, size: int, source: str) -> None:
-    """Refuse a file from its 24-byte header and its size alone (magic, versions, reserved
-    field, metadata length within the file), so a huge or foreign file is never read whole.
-
-    Raises:
-        ProgramFormatError: naming ``source`` and the field.
-    """
-    if len(head) < _HEAD.size or size < _HEAD.size + 12:
-        raise ProgramFormatError(f"{source}: {size} bytes is too short to be a .pimb program (truncated?)")
-    magic, cver, isa, rsv, mlen = _HEAD.unpack(head)
-    if magic != MAGIC:
-        raise ProgramFormatError(f"{source}: not a .pimb program (magic {bytes(magic)!r}, expected {MAGIC!r})")
-    if cver != CONTAINER_VERSION:
-        raise ProgramFormatError(f"{source}: container version {cver}, this nhil reads version {CONTAINER_VERSION}; recompile with `nhil compile`")
-    if isa != ISA_VERSION:
-        raise ProgramFormatError(f"{source}: program is for ISA v{isa}, this nhil implements ISA v{ISA_VERSION}")
-    if rsv != 0:
-        raise ProgramFormatError(f"{source}: reserved header field is 0x{rsv:08x}, must be 0 (docs/program-format.md)")
-    if mlen > MAX_META_BYTES or _HEAD.size + mlen + 8 + 8 + 4 > size:
-        raise ProgramFormatError(f"{source}: metadata length {mlen} does not fit the {size}-byte file (truncated or corrupt)")
-    if size > MAX_PROGRAM_BYTES:
-        raise ProgramFormatError(f"{source}: {size} bytes exceeds the {MAX_PROGRAM_BYTES >> 30} GiB program limit")
-
-
-def _check_layout(f, mlen: int, size: int, source: str) -> None:
-    """Seek past the metadata and the instructions, reading only the two counts, and check the
-    section lengths add up to the file size (a file that cannot be a program is never read whole).
-
-    Raises:
-        ProgramFormatError: the counts run past the end of the file or leave bytes over.
-    """
-    pos = _HEAD.size + mlen
-    f.seek(pos)
-    (n,) = _U64.unpack(f.read(8))
-    if pos + 8 + n * WORD_BYTES + 8 + 4 > size:
-        raise ProgramFormatError(f"{source}: {n} instructions run past the end of the {size}-byte file (truncated?)")
-    f.seek(pos + 8 + n * WORD_BYTES)
-    (blob_len,) = _U64.unpack(f.read(8))
-    if pos + 8 + n * WORD_BYTES + 8 + blob_len + 4 != size:
-        raise ProgramFormatError(f"{source}: blob length {blob_len} does not match the {size}-byte file (truncated or corrupt)")
 
 
 def _used_rect(data: np.ndarray, device: DeviceConfig) -> tuple[int, int]:
