@@ -213,3 +213,35 @@ def test_every_failed_outcome_keeps_the_link_counters_and_a_failed_check(tmp_pat
     rep = verify(VerifyOptions(model="llama-tiny", target="fpga", tokens=3, target_options={"port": "loop://", "open_timeout": 0.5}, **dirs))
     assert rep["outcome"] == "LINK_FAIL" and rep["stage"] == "open_target", (rep["stage"], rep.get("error"))
     assert rep["checks"][-1] == {"name": "stage_open_target", "passed": False, "detail": "LINK_FAIL: " + rep["error"]}
+
+
+# ---------------------------------------------------------------- frames against the board
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _board_state(w: Wire) -> tuple:
+    b = w.b
+    mem = b"".join(b.backend.read(r, 0, 64).tobytes() for r in (7, 9))
+    return mem, b.load_crc, b.load_bytes, b.load_writes, b.state, b.window.hi, tuple(b.window._kept), b.nonce, b.session
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(sorted(P.REQUESTS) + [0x00, 0x5A, 0x80, 0xFF]), st.binary(max_size=48), st.integers(0, 65535), st.booleans())
+def test_every_refused_frame_leaves_the_board_state_unchanged(type_, payload, seq, stale_nonce):
+    """Random well-framed requests (valid CRC) after a session of 60 requests: whenever the board
+    answers ERROR or NAK, memory, load counters, reply window, nonce and session are as before."""
+    w = _session_of_60()
+    before = _board_state(w)
+    nonce = w.nonce ^ 1 if stale_nonce else w.nonce
+    replies = w.raw(encode_frame(type_, 0, seq, nonce, payload))
+    assert replies, "the board answers every intact frame"
+    if all(r.type in (P.ERROR, P.NAK) for r in replies):
+        after = _board_state(w)
+        device = lambda st_: st_[:5] + st_[7:]  # noqa: E731 - memory, load counters, state, nonce, session
+        assert device(after) == device(before)
+        if after[5:7] != before[5:7]:  # a new seq was answered with ERROR: that reply is kept for its retransmissions
+            assert after[5] == seq and w.b.window.check(seq, type_)[0] == "retx"
+    # and it keeps serving: the next fresh request works
+    w.seq = max(w.seq, w.b.window.hi or 0)
+    assert w.req(P.STATUS).type == P.STATUS_REPLY or w.b.nonce != before[7]
