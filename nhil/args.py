@@ -149,10 +149,10 @@ def check_verify_args(opts) -> None:
     """
     from nhil.isa.device import DEVICE_PRESETS
     from nhil.models.registry import list_models
-    from nhil.targets.registry import available_targets
+    from nhil.targets.registry import target_names
 
     check_name("model", opts.model, list_models())
-    check_name("target", opts.target, available_targets())
+    check_name("target", opts.target, target_names())
     if opts.device is not None:
         check_name("device preset", opts.device, DEVICE_PRESETS)
     dev = (opts.target_options or {}).get("device")
@@ -172,14 +172,14 @@ def check_sweep_names(models: str | None, targets: str | None, quants: str | Non
         UsageError: a name that is not registered or looks like a path; a bad recipe.
     """
     from nhil.models.registry import list_models
-    from nhil.targets.registry import available_targets
+    from nhil.targets.registry import target_names
 
     for m in (models or "").split(","):
         if m.strip():
             check_name("model", m.strip(), list_models())
     for t in (targets or "").split(","):
         if t.strip():
-            check_name("target", t.strip(), available_targets())
+            check_name("target", t.strip(), target_names())
     for q in (quants or "").split(","):
         if q.strip():
             check_quant(q.strip())
