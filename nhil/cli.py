@@ -23,6 +23,17 @@ def _fail(e: NhilError) -> None:
     raise typer.Exit(2)
 
 
+def _checked(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; a ``nhil.args.UsageError`` prints one line and exits with ``EXIT_USAGE`` (64)."""
+    from nhil.args import EXIT_USAGE, UsageError
+
+    try:
+        return fn(*args, **kwargs)
+    except UsageError as e:
+        typer.secho(f"{e.outcome}: {e}", fg="red", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
 @app.command()
 def models(
     coverage: bool = typer.Option(False, help="measure and print the per-architecture coverage table (export/raise/lower/verify; minutes)"),
@@ -127,13 +138,36 @@ def verify(
         k, _, v = kv.partition("=")
         opts[k] = v
     o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant)
-    rep = run_verify(o)
+    rep = _checked(run_verify, o)
     print_summary(rep)
     typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
     if rep["outcome"] != "PASS":
         if rep.get("error"):
             typer.secho(f"{rep['outcome']}: {rep['error']}", fg="red", err=True)
         typer.secho(f"reproduce: {rep['reproducer']}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command("run")
+def run_cmd(
+    program: Path = typer.Argument(..., help="a .pimb program (with --golden) or a handoff bundle folder (`nhil compile --bundle`)"),
+    target: str = typer.Option("sim", "--target", "-t"),
+    golden: Optional[Path] = typer.Option(None, help="golden .safetensors whose prompt/tokens are fed and whose logits are compared (default: the bundle's)"),
+    option: list[str] = typer.Option([], "--option", "-O", help="target option key=value (repeatable)"),
+    no_lockstep: bool = typer.Option(False, help="do not cross-check a non-sim target against the simulator"),
+    runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
+) -> None:
+    """Run a given program on TARGET with its golden's inputs and compare outputs; exit 0 only if every check passes."""
+    from nhil.report.writer import print_summary
+    from nhil.run_program import run_program
+
+    opts = dict(kv.partition("=")[::2] for kv in option)
+    rep = _checked(run_program, program, target, golden, runs_dir, opts, not no_lockstep)
+    print_summary(rep)
+    typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
+    if rep["outcome"] != "PASS":
+        if rep.get("error"):
+            typer.secho(f"{rep['outcome']}: {rep['error']}", fg="red", err=True)
         raise typer.Exit(1)
 
 
@@ -157,9 +191,11 @@ def golden(
         ids = b.encode(prompt)
         path = golden_path(goldens_dir, model, golden_key(ids, tokens, b.weights_id, seed=seed))
         old = None
+        from nhil.golden.schema import golden_shapes, why_not_comparable
+
         if path.exists():
             if not regen:
-                load_golden(path)
+                load_golden(path, shapes=golden_shapes(b.model))
                 typer.echo(f"{path} exists and is intact (use --regen to rebuild it)")
                 return
             try:
@@ -169,7 +205,10 @@ def golden(
         t, meta = generate_golden(b, ids, tokens, seed=seed, prompt_text=prompt)
         sha = write_golden(path, t, meta)
         typer.echo(f"wrote {path} sha256={sha[:16]}")
-        if old is not None:
+        why = why_not_comparable(old, t) if old is not None else None
+        if why:
+            typer.echo(f"new vs old logits: not compared ({why})")
+        elif old is not None:
             m = metrics.compare_tensors(old["logits"], t["logits"])
             typer.echo(f"new vs old logits: max_abs={m['max_abs']} sqnr_db={m['sqnr_db']} tokens_equal={old['tokens'].tolist() == t['tokens'].tolist()}")
     except NhilError as e:
@@ -191,6 +230,9 @@ def sweep_cmd(
         from nhil import expectations
         from nhil.sweep import sweep
 
+        from nhil.args import check_sweep_names
+
+        _checked(check_sweep_names, models_, targets_, quants)
         rows = expectations.load()
         if not nightly:
             rows = [r for r in rows if not r.get("nightly")]

@@ -29,13 +29,35 @@ def compile_model(model: str, device: str = "aim-like", max_cache_len: int = 64,
     return c.program
 
 
+BUNDLE_DOCS = ("isa.md", "program-format.md", "numerics.md", "golden-format.md", "outcomes.md")
+
+
+def _copy_docs(folder: Path) -> list[str]:
+    """Copy the format docs a backend engineer needs into ``<folder>/docs/``; returns the copied paths.
+
+    Raises:
+        SetupError: a doc is missing (an installed nhil without its docs folder).
+    """
+    from nhil.util import atomic_write_bytes
+
+    src = Path(__file__).resolve().parent.parent / "docs"
+    out = []
+    for name in BUNDLE_DOCS:
+        if not (src / name).is_file():
+            raise SetupError(f"the handoff bundle needs {src / name}, which this nhil installation lacks; run from a source checkout")
+        atomic_write_bytes(folder / "docs" / name, (src / name).read_bytes())
+        out.append(f"docs/{name}")
+    return out
+
+
 def write_bundle(folder: Path, model: str, program: Program, prompt: str | None, tokens: int) -> None:
     """Handoff bundle for backend engineers.
 
     Writes ``program.pimb``, ``program.pims`` (text form, without the image blob),
     ``golden.safetensors`` (prompt ids, tokens, logits and per-layer activations the
-    program must reproduce: run it with ``nhil verify``), and ``MANIFEST.json`` (file
-    sizes and sha256, device, ISA version, how to run it).
+    program must reproduce) with its ``MANIFEST.json``, the format docs under ``docs/``, and
+    ``BUNDLE.json`` (file sizes and sha256, device, ISA version, how to run it: ``nhil run
+    <folder> --target T``). No lock file is left inside.
     """
     from nhil.golden.generate import generate_golden
     from nhil.golden.store import write_golden
@@ -51,8 +73,10 @@ def write_bundle(folder: Path, model: str, program: Program, prompt: str | None,
     atomic_write_text(folder / "program.pims", disassemble(program))
     t, meta = generate_golden(b, ids, tokens, prompt_text=prompt)
     write_golden(folder / "golden.safetensors", t, meta)
+    (folder / "MANIFEST.json.lock").unlink(missing_ok=True)  # the golden store's lock: not part of the bundle
+    docs = _copy_docs(folder)
     files = {}
-    for name in ("program.pimb", "program.pims", "golden.safetensors"):
+    for name in ("program.pimb", "program.pims", "golden.safetensors", "MANIFEST.json", *docs):
         data = (folder / name).read_bytes()
         files[name] = {"bytes": len(data), "sha256": sha256_bytes(data)}
     manifest = {
@@ -64,7 +88,9 @@ def write_bundle(folder: Path, model: str, program: Program, prompt: str | None,
         "prompt_ids": ids,
         "golden_tokens": t["tokens"].tolist(),
         "files": files,
-        "how_to_run": f"nhil verify --model {model} --target sim --tokens {tokens}",
-        "docs": ["docs/isa.md", "docs/program-format.md", "docs/numerics.md"],
+        "how_to_run": f"nhil run {folder} --target sim",
+        "how_to_run_other_targets": f"nhil run {folder} --target rtl   |   nhil run {folder} --target fpga",
+        "how_to_recompile": f"nhil verify --model {model} --target sim --tokens {tokens}",
+        "docs": docs,
     }
     atomic_write_text(folder / "BUNDLE.json", json.dumps(manifest, indent=2))

@@ -60,7 +60,9 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     model, target, quant = row["model"], row["target"], row.get("quant", "bf16")
     seed = row_seed(model, target, quant, run_seed)
     tokens = int(row.get("tokens", 16))
-    runs_dir = Path(out_dir) / f"{model}-{target}-{quant}"
+    from nhil.args import safe_component
+
+    runs_dir = Path(out_dir) / safe_component(f"{model}-{target}-{quant}", limit=160)  # a name is never a path
     cmd = [python, "-m", "nhil.cli", "verify", "-m", model, "-t", target, "--tokens", str(tokens), "--seed", str(seed), "--runs-dir", str(runs_dir)]
     if quant != "bf16":
         cmd += ["--quant", quant]
@@ -74,10 +76,14 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     except subprocess.TimeoutExpired as e:
         timed_out = True
         tail = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or ""))[-2000:]
+    from nhil.args import EXIT_USAGE
+
     reports = sorted(runs_dir.glob("*/report.json"))
     rep = json.loads(reports[-1].read_text()) if reports else {}
     if timed_out:
         rep.update(outcome="TIMEOUT", error=f"no result after {timeout_s:.0f} s (last stage: {rep.get('stage', 'start')})")
+    elif not rep and proc.returncode == EXIT_USAGE:
+        rep = {"outcome": "USAGE_ERROR", "error": tail.strip().splitlines()[-1] if tail.strip() else "usage error"}
     elif not rep:
         rep = {"outcome": "CRASH", "error": f"verify died without a report: {tail[-500:]}"}
     elif rep.get("outcome") == "INCOMPLETE":

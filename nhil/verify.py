@@ -19,7 +19,6 @@ COMPILE_FAIL, LOAD_FAIL, LINK_FAIL, RUN_FAIL, CRASH, MISMATCH, PASS.
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import json
 import math
 import os
@@ -171,10 +170,9 @@ def _provenance() -> dict:
 class _Run:
     def __init__(self, opts: VerifyOptions) -> None:
         self.o = opts
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-        qtag = "" if opts.quant == "bf16" else "-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in opts.quant)
-        self.dir = Path(opts.runs_dir) / f"{stamp}-{opts.model}-{opts.target}{qtag}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        from nhil.args import new_run_dir
+
+        self.dir = new_run_dir(opts.runs_dir, opts.model, opts.target, None if opts.quant == "bf16" else opts.quant)  # sanitised, unique
         self.report: dict = {
             "outcome": "INCOMPLETE",
             "stage": "start",
@@ -240,7 +238,16 @@ def verify(opts: VerifyOptions) -> dict:
     Never raises for user-facing failures: they become the report's outcome with a
     message; an unexpected exception becomes CRASH with its traceback saved to
     ``<run>/traceback.txt``.
+
+    Raises:
+        nhil.args.UsageError: a bad argument (unknown model/target/quant/device name, a
+            recipe that does not fit the model, bad PROMPT/TOKENS/SEED/REPEAT), found
+            before any work and before the run folder is made.
     """
+    from nhil.args import check_verify_args
+    from nhil.failure import keep_failure_context
+
+    check_verify_args(opts)
     run = _Run(opts)
     try:
         _verify(run)
@@ -249,10 +256,12 @@ def verify(opts: VerifyOptions) -> dict:
         run.report["error"] = str(e)
         if getattr(e, "detail", None):
             run.report["cross_target_first_mismatch"] = e.detail
+        keep_failure_context(run.report, e, getattr(run, "dut", None))  # link counters + a failed check
     except Exception as e:  # noqa: BLE001 - turned into a CRASH outcome with the traceback kept
         run.report["outcome"] = "CRASH"
         run.report["error"] = f"{type(e).__name__}: {e} (traceback in {run.dir / 'traceback.txt'})"
         (run.dir / "traceback.txt").write_text(traceback.format_exc())
+        keep_failure_context(run.report, e, getattr(run, "dut", None))
     _finish(run)
     return run.report
 
@@ -332,8 +341,10 @@ def _verify(run: _Run) -> None:
     from nhil.compiler import pipeline
     from nhil.golden import accuracy, metrics, verdict
     from nhil.golden.generate import generate_golden
+    from nhil.golden.cache import obtain_golden
     from nhil.golden.routing import routing_differences
-    from nhil.golden.store import golden_key, golden_path, load_golden, write_golden
+    from nhil.golden.schema import golden_shapes
+    from nhil.golden.store import golden_key, golden_path
     from nhil.golden.tight import compare_bits
     from nhil.isa import DEVICE_PRESETS, Program
     from nhil.models import get_model
@@ -358,13 +369,8 @@ def _verify(run: _Run) -> None:
         key = golden_key(prompt_ids, o.tokens, bundle.weights_id, seed=o.seed)
         gpath = golden_path(o.goldens_dir, o.model, key)
         expect = {"model": o.model, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
-        if gpath.exists() and not o.regen:
-            gt, gmeta = load_golden(gpath, expect=expect)
-            R["golden"] = {"path": str(gpath), "reused": True}
-        else:
-            gt, gmeta = generate_golden(bundle, prompt_ids, o.tokens, seed=o.seed, prompt_text=R["prompt"])
-            sha = write_golden(gpath, gt, gmeta)
-            R["golden"] = {"path": str(gpath), "reused": False, "sha256": sha}
+        gt, gmeta, R["golden"] = obtain_golden(gpath, expect, o.regen, lambda: generate_golden(bundle, prompt_ids, o.tokens, seed=o.seed, prompt_text=R["prompt"]),
+                                               shapes=golden_shapes(bundle.model))  # once per key, under its lock
     golden_tokens = [int(t) for t in gt["tokens"].tolist()]
     R["golden_tokens"] = golden_tokens
     R["golden_text"] = bundle.decode(golden_tokens)
@@ -378,7 +384,9 @@ def _verify(run: _Run) -> None:
         topts.setdefault("device", o.device)
     elif o.target == "sim":
         topts.setdefault("device", "aim-like")
+    R["stage"] = "open_target"  # a LINK_FAIL during HELLO is this stage's, not the golden's
     target = get_target(o.target, **topts)
+    run.dut = target  # for keep_failure_context
     device = target.capabilities().device  # compile for the device behind the target
     max_len = int(math.ceil((len(prompt_ids) + o.tokens) / 16) * 16)
     R["device"] = dataclasses.asdict(device)
@@ -438,7 +446,7 @@ def _verify(run: _Run) -> None:
         target.close()
         raise NotClaimed(f"not claimed: target {o.target} does not implement {', '.join(missing)} (its capabilities() list what it claims; "
                          f"`nhil targets` shows them); the run is skipped, not passed")
-    dut = LockstepTarget(target) if (o.lockstep and o.target != "sim") else target
+    dut = run.dut = LockstepTarget(target) if (o.lockstep and o.target != "sim") else target
     with dut:
         runner = Runner(program, dut)
         R["program"]["device_instructions_per_step"] = runner.device_instructions

@@ -34,7 +34,10 @@ def test_compile_disasm_asm_round_trip_and_bundle(tmp_path):
     assert r.returncode == 0, r.stderr
     assert again.read_bytes() == prog.read_bytes()
     man = json.loads((tmp_path / "handoff" / "BUNDLE.json").read_text())
-    assert set(man["files"]) == {"program.pimb", "program.pims", "golden.safetensors"}
+    assert set(man["files"]) == {"program.pimb", "program.pims", "golden.safetensors", "MANIFEST.json", *man["docs"]}
+    assert "docs/program-format.md" in man["docs"] and (tmp_path / "handoff" / "docs" / "program-format.md").is_file()
+    assert not list((tmp_path / "handoff").rglob("*.lock"))  # self-contained: no lock files
+    assert man["how_to_run"] == f"nhil run {tmp_path / 'handoff'} --target sim"
     assert len(man["golden_tokens"]) == 3
     assert (tmp_path / "handoff" / "program.pimb").read_bytes() == prog.read_bytes()
 

@@ -129,7 +129,10 @@ def write_golden(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
         TypeError: a metadata key or value is not a str, or a tensor is not a tensor.
         OSError: the directory is not writable (the old golden, if any, is untouched).
     """
+    from nhil.golden.schema import check_writable
+
     path = Path(path)
+    check_writable(tensors)
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(f"golden metadata must be str -> str (safetensors __metadata__); got {k!r}: {type(v).__name__}")
@@ -150,12 +153,25 @@ def write_golden(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], m
     digest = hashlib.sha256(data).hexdigest()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path.parent):
+        _remove_stale_temps(path.parent)
         _atomic_write_bytes(path, data)
         files = read_manifest(path.parent)
         files[path.name] = {"sha256": digest, "bytes": len(data), "written": meta["created"]}
         manifest = {"schema_version": SCHEMA_VERSION, "files": dict(sorted(files.items()))}
         _atomic_write_bytes(path.parent / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode("utf-8"))
     return digest
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Delete temp files an interrupted write left (``.<name>.<random>.tmp`` of
+    ``nhil.util.atomic_write_bytes``). Called under the directory's lock, which every
+    writer of a golden or the manifest holds, so no temp file found here is in use."""
+    for tmp in directory.glob(".*.tmp"):
+        if tmp.name.startswith((f".{MANIFEST_NAME}.",)) or ".safetensors." in tmp.name:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
 
 def _parse_metadata(data: bytes) -> dict[str, str]:
@@ -172,13 +188,17 @@ def _parse_metadata(data: bytes) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
-def load_golden(path: str | os.PathLike, expect: Mapping[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_golden(path: str | os.PathLike, expect: Mapping[str, str] | None = None,
+                shapes: Mapping[str, int] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Load and validate a golden written by :func:`write_golden`.
 
     Args:
         path: the ``.safetensors`` golden.
         expect: metadata that must match exactly (e.g. model, weights_id, prompt_ids,
             n_tokens); every differing key is listed in the error.
+        shapes: the model's sizes (``nhil.golden.schema.golden_shapes``): the tensors must
+            have them (``nhil.golden.schema.check_loaded``; tensors are always checked
+            against the file's own metadata).
 
     Returns:
         (tensors name -> CPU tensor, metadata str -> str).
@@ -187,7 +207,8 @@ def load_golden(path: str | os.PathLike, expect: Mapping[str, str] | None = None
         GoldenError: the file is missing; it is not valid safetensors or is truncated;
             it is not in ``MANIFEST.json``; its sha256 differs from the manifest's
             (corrupt or edited after writing); its schema version is unknown; or an
-            ``expect`` key differs. Each message names the file, the problem and the fix.
+            ``expect`` key differs; a tensor's shape or dtype differs from the metadata's
+            (or ``shapes``'). Each message names the file, the problem and the fix.
     """
     path = Path(path)
     if not path.is_file():
@@ -234,6 +255,9 @@ def load_golden(path: str | os.PathLike, expect: Mapping[str, str] | None = None
                 f"golden {path} is stale or belongs to another run ({len(diffs)} metadata key(s) differ: {lines}); "
                 f"regenerate it: {REGEN_HINT}"
             )
+    from nhil.golden.schema import check_loaded
+
+    check_loaded(path, tensors, meta, shapes)
     return tensors, meta
 
 

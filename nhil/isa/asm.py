@@ -18,6 +18,7 @@ round-trips. ``assemble(disassemble(p, full=True))`` gives byte-identical ``.pim
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import re
 
@@ -127,6 +128,10 @@ def assemble(text: str, source: str = "<text>") -> Program:
     Raises:
         ProgramFormatError: syntax error, missing section, or inconsistent program.
     """
+    tail = [ln.strip() for ln in text.splitlines()[-4:] if ln.strip()]
+    if not tail or tail[-1] != ".end":
+        raise ProgramFormatError(f"{source}: the last line is not '.end': the file is truncated (or not .pims text); "
+                                 f"disassemble the program again with `nhil disasm --full`")
     meta = None
     instrs: list[Instr] = []
     blob_lines: list[str] = []
@@ -142,7 +147,7 @@ def assemble(text: str, source: str = "<text>") -> Program:
         if line.startswith(".meta "):
             try:
                 meta = json.loads(raw.strip()[6:])
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise ProgramFormatError(f"{source}:{lineno}: .meta is not valid JSON: {e}") from None
             continue
         if line in (".code", ".blob", ".end"):
@@ -161,13 +166,25 @@ def assemble(text: str, source: str = "<text>") -> Program:
             raise ProgramFormatError(f"{source}:{lineno}: text outside a section: {line[:40]!r}")
     if meta is None:
         raise ProgramFormatError(f"{source}: missing .meta line")
-    blob = base64.b64decode("".join(blob_lines)) if blob_lines else b""
-    needs_blob = any(not e.get("zero") for e in meta.get("bank_images", [])) or bool(meta.get("host_images"))
+    try:
+        blob = base64.b64decode("".join(blob_lines), validate=True) if blob_lines else b""
+    except (binascii.Error, ValueError) as e:
+        raise ProgramFormatError(f"{source}: the .blob section is not valid base64 ({e}): the file is truncated or was edited; "
+                                 f"disassemble again with `nhil disasm --full`") from None
+    if section != "end":
+        raise ProgramFormatError(f"{source}: no .end line: the file is truncated (last section: .{section})")
+    if not isinstance(meta, dict):
+        raise ProgramFormatError(f"{source}: .meta must be a JSON object")
+    images = meta.get("bank_images")
+    needs_blob = (isinstance(images, list) and any(not (isinstance(e, dict) and e.get("zero")) for e in images)) or bool(meta.get("host_images"))
     if needs_blob and not blob:
         raise ProgramFormatError(f"{source}: the program has images but no .blob section; disassemble with `nhil disasm --full`")
+    from nhil.isa.meta import parse_meta
+
+    meta = parse_meta(meta, source)
     try:
         prog = Program._from_meta(meta, instrs, memoryview(blob))
     except (KeyError, TypeError, ValueError) as e:
         raise ProgramFormatError(f"{source}: malformed metadata: {type(e).__name__}: {e}") from None
-    prog.validate()
+    prog.validate_named(source)
     return prog

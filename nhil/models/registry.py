@@ -7,9 +7,11 @@ know about it (tokenizer, default prompt, weights digest for golden provenance).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a model is built: the registry itself is read in nhil.args without it
+    import torch
+
 
 from nhil.errors import SetupError
 
@@ -45,15 +47,23 @@ class ModelBundle:
             text = prompt if prompt is not None else self.default_prompt
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if prompt is None:
+            import torch
+
             g = torch.Generator().manual_seed(1234)
             vocab = self.model.config.vocab_size
             return torch.randint(0, vocab, (6,), generator=g).tolist()
         try:
-            return [int(t) for t in prompt.split(",") if t.strip()]
+            ids = [int(t) for t in prompt.split(",") if t.strip()]
         except ValueError as e:
             raise SetupError(
                 f"model {self.name!r} has no tokenizer: give PROMPT as comma-separated token ids, e.g. PROMPT=1,2,3 ({e})"
             ) from None
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0)
+        bad = [t for t in ids if t < 0 or (vocab and t >= vocab)]
+        if not ids or bad:
+            raise SetupError(f"PROMPT={prompt!r} for model {self.name!r}: " + (f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})" if bad else "no token ids")
+                             + "; give comma-separated ids, e.g. PROMPT=1,2,3")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` (or the ids themselves for tokenizer-less models)."""
@@ -62,20 +72,52 @@ class ModelBundle:
         return self.tokenizer.decode(ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a run can know about a registered model without building it (``nhil.args``).
+
+    Attributes:
+        name: registry name.
+        description: one line (``nhil models``).
+        tokenizer: True if prompts are text (the bundle has a tokenizer); False if they are
+            comma-separated token ids; None if the registration did not say.
+        vocab_size: token ids must be in ``[0, vocab_size)``; None if unknown until built.
+        checkpoint: ``"gguf"`` if the weights come from a GGUF file (``QUANT=native`` fits),
+            None otherwise.
+    """
+
+    name: str
+    description: str
+    tokenizer: bool | None = None
+    vocab_size: int | None = None
+    checkpoint: str | None = None
+
+
 _REGISTRY: dict[str, tuple[Callable[..., ModelBundle], str]] = {}
+_INFO: dict[str, ModelInfo] = {}
 
 
-def register(name: str, description: str):
+def register(name: str, description: str, *, tokenizer: bool | None = None, vocab_size: int | None = None, checkpoint: str | None = None):
     """Decorator registering a builder returning a :class:`ModelBundle`.
 
     A builder of seeded weights (the tiny configs) takes ``seed: int``; a real checkpoint's takes no argument.
+
+    The keyword facts (see :class:`ModelInfo`) let ``nhil.args`` check a prompt and a
+    quant recipe before the model is built; omitted facts are checked after loading.
     """
 
     def deco(fn: Callable[[], ModelBundle]):
         _REGISTRY[name] = (fn, description)
+        _INFO[name] = ModelInfo(name, description, tokenizer, vocab_size, checkpoint)
         return fn
 
     return deco
+
+
+def model_info(name: str) -> ModelInfo | None:
+    """The :class:`ModelInfo` of registered ``name`` (None if not registered); builds nothing."""
+    _load_builtin()
+    return _INFO.get(name)
 
 
 def list_models() -> dict[str, str]:

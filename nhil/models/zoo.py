@@ -17,7 +17,6 @@ from N(0, 0.1) so that the bias-corrected expert selection differs from the plai
 
 from __future__ import annotations
 
-import torch
 
 from nhil.models.registry import ModelBundle, register
 
@@ -95,6 +94,7 @@ def build_config(name: str):
 
 def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
     """Build zoo entry ``name`` with seeded weights (see the module docstring)."""
+    import torch
     import transformers
 
     _, model_cls, _, notes = ZOO[name]
@@ -116,4 +116,4 @@ def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
 
 
 for _name, (_c, _m, _kw, _notes) in ZOO.items():
-    register(_name, f"{_m} tiny seeded: {_notes}")(lambda seed=0, n=_name: build_zoo_model(n, seed))
+    register(_name, f"{_m} tiny seeded: {_notes}", tokenizer=False, vocab_size=_kw.get("vocab_size"))(lambda seed=0, n=_name: build_zoo_model(n, seed))

@@ -180,7 +180,11 @@ class Runner:
                         self._run(self.expert_segments[h.attrs["experts"][e]], ctx, pos)
                 ins = [self._val(n, ctx) for n in h.inputs]
                 outs = [self.bufs[n] for n in h.outputs]
-                KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
+                try:
+                    KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
+                except (ValueError, TypeError, IndexError, KeyError, RuntimeError, ZeroDivisionError, OverflowError) as e:
+                    # sizes the load-time checks cannot know (buffer lengths vs attributes): a run failure, not a crash
+                    raise RunError(f"host op {seg} ({h.kernel}) failed on its buffers {list(h.inputs)} -> {list(h.outputs)}: {type(e).__name__}: {e}") from None
             else:
                 bits: dict = {}
                 block = [self._resolve(i, pos, bits) for i in seg]

@@ -18,16 +18,61 @@ import torch
 from nhil.errors import RunError
 
 KERNELS: dict[str, Callable] = {}
+ARITY: dict[str, tuple[tuple[int, int | None], tuple[int, int | None]]] = {}  # name -> ((min, max) inputs, (min, max) outputs)
+_ATTR_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list,)}
 
 
-def kernel(name: str):
-    """Register a host kernel ``fn(inputs: list, outputs: list[np.ndarray], ctx: dict, **attrs)``."""
+def kernel(name: str, n_in: int | tuple = (0, None), n_out: int | tuple = (0, None)):
+    """Register a host kernel ``fn(inputs: list, outputs: list[np.ndarray], ctx: dict, **attrs)``.
+
+    ``n_in`` / ``n_out``: how many input / output names it takes (a count, or ``(min, max)``, max
+    None = unbounded); the attribute names, types (annotations) and defaults come from the
+    signature. :func:`check_host_op` checks a program's host ops against both at load.
+    """
 
     def deco(fn):
         KERNELS[name] = fn
+        ARITY[name] = tuple((a, a) if isinstance(a, int) else a for a in (n_in, n_out))
         return fn
 
     return deco
+
+
+def check_host_op(kernel_name: str, n_inputs: int, n_outputs: int, attrs: dict) -> str | None:
+    """Why a host op cannot run (unknown kernel, wrong arity, missing/unknown/ill-typed attribute), or None.
+
+    Attribute types are the kernel signature's annotations (``int``, ``float`` (int accepted),
+    ``bool``, ``str``, ``list``, optionally ``| None``).
+    """
+    import inspect
+
+    fn = KERNELS.get(kernel_name)
+    if fn is None:
+        return f"unknown host kernel {kernel_name!r} (this nhil has {', '.join(sorted(KERNELS))})"
+    for what, n, (lo, hi) in (("inputs", n_inputs, ARITY[kernel_name][0]), ("outputs", n_outputs, ARITY[kernel_name][1])):
+        if n < lo or (hi is not None and n > hi):
+            want = str(lo) if lo == hi else f"{lo}..{hi if hi is not None else 'any'}"
+            return f"{kernel_name} takes {want} {what}, got {n}"
+    params = list(inspect.signature(fn).parameters.values())[3:]
+    names = {p.name for p in params}
+    unknown = sorted(set(attrs) - names)
+    if unknown:
+        return f"{kernel_name} has no attribute(s) {unknown} (attributes: {sorted(names)})"
+    for p in params:
+        if p.name not in attrs:
+            if p.default is inspect.Parameter.empty:
+                return f"{kernel_name} needs attribute {p.name!r}"
+            continue
+        v = attrs[p.name]
+        ann = str(p.annotation).replace(" ", "")
+        optional = ann.endswith("|None")
+        base = ann.removesuffix("|None")
+        if v is None and optional:
+            continue
+        ok = _ATTR_TYPES.get(base)
+        if ok is not None and (not isinstance(v, ok) or (base != "bool" and isinstance(v, bool))):
+            return f"{kernel_name} attribute {p.name}={v!r:.40} is a {type(v).__name__}, expected {ann.replace('|', ' | ')}"
+    return None
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -40,49 +85,49 @@ def _ops():
     return torch.ops.nhil
 
 
-@kernel("embedding")
-def embedding(inputs, outputs, ctx, scale=None):
+@kernel("embedding", 2, 1)
+def embedding(inputs, outputs, ctx, scale: float | None = None):
     table, token = inputs
     if not 0 <= token < table.shape[0]:
         raise RunError(f"token id {token} outside the vocabulary of {table.shape[0]}")
     outputs[0][:] = _ops().embedding(_t(table), torch.tensor([[token]]), scale).reshape(-1).numpy()
 
 
-@kernel("rms_norm")
-def rms_norm(inputs, outputs, ctx, eps, head_dim=None, unit_offset=False):
+@kernel("rms_norm", 2, 1)
+def rms_norm(inputs, outputs, ctx, eps: float, head_dim: int | None = None, unit_offset: bool = False):
     x, w = inputs
     outputs[0][:] = _ops().rms_norm(_t(x).reshape(1, 1, -1), _t(w), eps, head_dim, unit_offset).reshape(-1).numpy()
 
 
-@kernel("rope_cos_sin")
-def rope_cos_sin(inputs, outputs, ctx, attention_scaling, half=False):
+@kernel("rope_cos_sin", 2, 2)
+def rope_cos_sin(inputs, outputs, ctx, attention_scaling: float, half: bool = False):
     pos, inv_freq = inputs
     cos, sin = _ops().rope_cos_sin(torch.tensor([[pos]]), _t(inv_freq), attention_scaling, half=half)
     outputs[0][:] = cos.reshape(-1).numpy()
     outputs[1][:] = sin.reshape(-1).numpy()
 
 
-@kernel("rope")
-def rope(inputs, outputs, ctx, head_dim, rotary_dim=None, style="rotate_half"):
+@kernel("rope", 3, 1)
+def rope(inputs, outputs, ctx, head_dim: int, rotary_dim: int | None = None, style: str = "rotate_half"):
     x, cos, sin = inputs
     y = _ops().rope(_t(x).reshape(1, 1, -1), _t(cos).reshape(1, 1, -1), _t(sin).reshape(1, 1, -1), head_dim, rotary_dim, style=style)
     outputs[0][:] = y.reshape(-1).numpy()
 
 
-@kernel("silu_mul")
+@kernel("silu_mul", 2, 1)
 def silu_mul(inputs, outputs, ctx):
     g, u = inputs
     outputs[0][:] = _ops().silu_mul(_t(g), _t(u)).numpy()
 
 
-@kernel("add")
+@kernel("add", 2, 1)
 def add(inputs, outputs, ctx):
     a, b = inputs
     outputs[0][:] = _ops().add(_t(a), _t(b)).numpy()
 
 
-@kernel("masked_softmax")
-def masked_softmax(inputs, outputs, ctx, num_heads, max_len, scale, window=None, softcap=None, sinks=False):
+@kernel("masked_softmax", (2, 3), 1)
+def masked_softmax(inputs, outputs, ctx, num_heads: int, max_len: int, scale: float, window: int | None = None, softcap: float | None = None, sinks: bool = False):
     """Host half of decode attention: ``softmax(cap(scale * scores))`` over the visible keys.
 
     Visible: ``j <= pos`` and, with a sliding ``window`` W, ``j > pos - W``
@@ -108,26 +153,27 @@ def masked_softmax(inputs, outputs, ctx, num_heads, max_len, scale, window=None,
     outputs[0][:] = torch.softmax(s, dim=-1).reshape(-1).numpy()
 
 
-@kernel("narrow")
-def narrow(inputs, outputs, ctx, start, length):
+@kernel("narrow", 1, 1)
+def narrow(inputs, outputs, ctx, start: int, length: int):
     (x,) = inputs
     outputs[0][:] = _ops().narrow(_t(x), start, length).numpy()
 
 
-@kernel("gelu_mul")
-def gelu_mul(inputs, outputs, ctx, approximate="tanh"):
+@kernel("gelu_mul", 2, 1)
+def gelu_mul(inputs, outputs, ctx, approximate: str = "tanh"):
     g, u = inputs
     outputs[0][:] = _ops().gelu_mul(_t(g), _t(u), approximate).numpy()
 
 
-@kernel("softcap")
-def softcap(inputs, outputs, ctx, cap):
+@kernel("softcap", 1, 1)
+def softcap(inputs, outputs, ctx, cap: float):
     (x,) = inputs
     outputs[0][:] = _ops().softcap(_t(x), cap).numpy()
 
 
-@kernel("moe_route")
-def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="softmax", softmax_after_topk=False, n_group=1, topk_group=1, routed_scaling_factor=1.0):
+@kernel("moe_route", (1, 2), 1)
+def moe_route(inputs, outputs, ctx, top_k: int, norm_topk_prob: bool = True, score_func: str = "softmax", softmax_after_topk: bool = False, n_group: int = 1, topk_group: int = 1,
+              routed_scaling_factor: float = 1.0):
     """MoE routing on the host: router logits [E] (and, for the DeepSeek sigmoid rule, the
     ``e_score_correction_bias`` [E] as a second input) -> ``route`` = [expert ids (fp32) ...,
     weights ...] (``2*top_k``, slot order), by ``primitives.moe_routing`` (the reference
@@ -142,15 +188,15 @@ def moe_route(inputs, outputs, ctx, top_k, norm_topk_prob=True, score_func="soft
     outputs[0][top_k:] = w.reshape(-1).numpy()
 
 
-@kernel("moe_expert")
-def moe_expert(inputs, outputs, ctx, layer, expert):
+@kernel("moe_expert", (0, None), (0, None))
+def moe_expert(inputs, outputs, ctx, layer: int, expert: int):
     """Marker opening expert ``expert``'s sub-program; the Runner never calls it in the
     linear stream (it skips sub-programs and runs them from ``moe_dispatch``)."""
     raise RunError(f"moe_expert marker (layer {layer}, expert {expert}) reached in the linear stream: this runtime does not implement MoE dispatch")
 
 
-@kernel("moe_dispatch")
-def moe_dispatch(inputs, outputs, ctx, layer, experts, top_k, num_experts):
+@kernel("moe_dispatch", (1, None), 1)
+def moe_dispatch(inputs, outputs, ctx, layer: int, experts: list, top_k: int, num_experts: int):
     """Combine of a MoE layer after the Runner ran the routed experts' sub-programs:
     ``out = (stack(y[id_j]) * w[:, None]).view(1, k, H).sum(1)`` over the k slots, as
     ``primitives.moe_ref``. inputs = [route, y_0 .. y_{E-1}] (unrouted y_e are stale, unread)."""
@@ -162,8 +208,8 @@ def moe_dispatch(inputs, outputs, ctx, layer, experts, top_k, num_experts):
     outputs[0][:] = y.view(1, top_k, -1).sum(dim=1).reshape(-1).numpy()
 
 
-@kernel("layer_norm")
-def layer_norm(inputs, outputs, ctx, eps, has_weight=True, has_bias=True):
+@kernel("layer_norm", (1, 3), 1)
+def layer_norm(inputs, outputs, ctx, eps: float, has_weight: bool = True, has_bias: bool = True):
     """LayerNorm of one token: inputs = [x, weight (if has_weight), bias (if has_bias)] -> ``nhil::layer_norm``."""
     it = iter(inputs[1:])
     w = _t(next(it)) if has_weight else None
@@ -171,13 +217,13 @@ def layer_norm(inputs, outputs, ctx, eps, has_weight=True, has_bias=True):
     outputs[0][:] = _ops().layer_norm(_t(inputs[0]).reshape(1, 1, -1), w, b, eps).reshape(-1).numpy()
 
 
-@kernel("gelu")
-def gelu(inputs, outputs, ctx, variant="gelu_new"):
+@kernel("gelu", 1, 1)
+def gelu(inputs, outputs, ctx, variant: str = "gelu_new"):
     (x,) = inputs
     outputs[0][:] = _ops().gelu(_t(x), variant).numpy()
 
 
-@kernel("pos_embedding")
+@kernel("pos_embedding", 3, 1)
 def pos_embedding(inputs, outputs, ctx):
     """Learned absolute position of the step: ``x + table[pos]`` (``nhil::pos_embedding``)."""
     x, table, pos = inputs
@@ -186,8 +232,8 @@ def pos_embedding(inputs, outputs, ctx):
     outputs[0][:] = _ops().pos_embedding(_t(x).reshape(1, 1, -1), _t(table), torch.tensor([[pos]])).reshape(-1).numpy()
 
 
-@kernel("moe_shared_add")
-def moe_shared_add(inputs, outputs, ctx, gated=True):
+@kernel("moe_shared_add", (2, 3), 1)
+def moe_shared_add(inputs, outputs, ctx, gated: bool = True):
     """Shared expert of a MoE layer added to the routed combine: inputs = [routed [H],
     shared [H], (gate logit [1])]; ``out = routed + sigmoid(gate) * shared`` (without
     ``gated``: ``routed + shared``), the same torch ops as ``primitives.moe_ref``."""
@@ -197,8 +243,8 @@ def moe_shared_add(inputs, outputs, ctx, gated=True):
     outputs[0][:] = (routed + shared).numpy()
 
 
-@kernel("moe_swiglu_clamp")
-def moe_swiglu_clamp(inputs, outputs, ctx, alpha, limit):
+@kernel("moe_swiglu_clamp", 4, 1)
+def moe_swiglu_clamp(inputs, outputs, ctx, alpha: float, limit: float):
     """GPT-OSS expert activation on the host: inputs = [gate GEMV [I], up GEMV [I], gate bias [I],
     up bias [I]]; ``swiglu_clamp(gate + gate_bias, up + up_bias)`` (``primitives.swiglu_clamp``,
     the bias being the even / odd entries of ``gate_up_proj_bias[e]``)."""
@@ -208,8 +254,8 @@ def moe_swiglu_clamp(inputs, outputs, ctx, alpha, limit):
     outputs[0][:] = swiglu_clamp(g + gb, u + ub, alpha, limit).numpy()
 
 
-@kernel("mla_rope")
-def mla_rope(inputs, outputs, ctx, num_heads, qk_nope_head_dim, qk_rope_head_dim, rope_interleave=True):
+@kernel("mla_rope", 4, 2)
+def mla_rope(inputs, outputs, ctx, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, rope_interleave: bool = True):
     """Host half of MLA (``lower_mla`` step 1): q [H*(nope+rope)], k_rope [rope], cos/sin [rope]
     -> (q_rot of every head, RoPE'd [H*rope]; shared k_rot RoPE'd [rope]), by
     ``primitives.mla_rope_parts`` (the ``nhil::mla_kv`` reference's own code)."""
@@ -222,8 +268,8 @@ def mla_rope(inputs, outputs, ctx, num_heads, qk_nope_head_dim, qk_rope_head_dim
     outputs[1][:] = k_rot.reshape(-1).numpy()
 
 
-@kernel("mla_pack")
-def mla_pack(inputs, outputs, ctx, num_heads, kv_lora_rank, qk_rope_head_dim, width):
+@kernel("mla_pack", 4, 2)
+def mla_pack(inputs, outputs, ctx, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, width: int):
     """MLA query / key rows (``lower_mla`` step 3): ``qcat_h = [q_abs_h ‖ q_rot_h ‖ 0]`` per head
     and ``kcat = [latent ‖ k_rot ‖ 0]``, each ``width`` wide (r + rope rounded up to the burst)."""
     qabs, qrot, latent, krot = inputs

@@ -25,6 +25,15 @@ def _builtin() -> None:
             _FACTORIES[ep.name] = ep.load()
 
 
+BUILTIN_TARGETS = ("sim", "rtl", "fpga")
+
+
+def target_names() -> list[str]:
+    """Names a target may be built under (built-ins, registered, entry points), without importing any
+    target module: ``nhil.args`` checks a name with it before any work starts."""
+    return sorted(set(BUILTIN_TARGETS) | set(_FACTORIES) | {ep.name for ep in entry_points(group="nhil.targets")})
+
+
 def available_targets() -> list[str]:
     """Names of registered targets."""
     _builtin()

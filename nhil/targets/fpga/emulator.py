@@ -29,6 +29,7 @@ from nhil.targets.fpga import protocol as P
 from nhil.targets.fpga.faults import FaultInjector, FaultSpec
 from nhil.targets.fpga.fragment import QUERY_MAX_RANGES, Reassembler, ReassemblyError, ReplyBuffer
 from nhil.targets.fpga import stream as S
+from nhil.targets.fpga.replay import ReplyWindow
 from nhil.targets.fpga.frame import DEFAULT_MAX_PAYLOAD, END, Bad, Deframer, Frame, Short, encode_frame
 from nhil.targets.sim.device import PimState
 
@@ -228,12 +229,13 @@ class Board:
         self.reasm = Reassembler(self.max_message)
         self.replies = ReplyBuffer()
         self.session = False
-        self.cache: tuple[int, int, int, bytes] | None = None  # seq, req type, reply type, reply payload
+        self.window = ReplyWindow()  # executed seqs of this session and their replies (replay.py)
+        self.host_nonce: int | None = None  # the host nonce of the HELLO that opened the session
         self.state = 0
         self.load_crc = 0
         self.load_bytes = 0
         self.load_writes = 0
-        self.counters = {"frames_ok": 0, "frames_bad": 0, "duplicates": 0, "errors": 0, "last_error": 0, "short_ok": 0, "short_dropped": 0}
+        self.counters = {"frames_ok": 0, "frames_bad": 0, "duplicates": 0, "replays": 0, "errors": 0, "last_error": 0, "short_ok": 0, "short_dropped": 0}
         self._last_fetch = -1  # qid of the last S_FETCH served (its copies get S_DONE only)
         self._bitmap: tuple = (None, b"")  # (reassembly version, query fields) -> bits of the last S_QUERY answered
         self.streaming = False  # the last intact frame was a short one: damaged runs get no NAK (section 12)
@@ -272,7 +274,7 @@ class Board:
                     self._send(send, P.ERROR, ev.seq, P.pack_error(P.E_BAD_LENGTH, f"header length disagrees with the {ev.nbytes}-byte frame"))
                 elif not self.streaming:  # inside a stream of short frames a NAK would tell the host nothing
                     self._log(f"rejected {ev.nbytes}-byte frame: {P.ERROR_NAMES.get(ev.reason, ev.reason)}")
-                    self._send(send, P.NAK, self.cache[0] if self.cache else 0, P.pack_error(ev.reason, ""))
+                    self._send(send, P.NAK, self.window.hi or 0, P.pack_error(ev.reason, ""))
                 continue
             self.counters["frames_ok"] += 1
             if isinstance(ev, Short):
@@ -371,22 +373,25 @@ class Board:
             return
         if f.type == P.HELLO:
             try:
-                proto, isa, _host_nonce = P.unpack_hello(f.payload)
+                proto, isa, host_nonce = P.unpack_hello(f.payload)
             except P.ProtocolError as e:
                 self._error(send, f.seq, P.E_BAD_LENGTH, str(e))
                 return
             if proto != P.PROTOCOL_VERSION or isa != P.ISA_VERSION:
                 self._error(send, f.seq, P.E_VERSION, f"board speaks protocol v{P.PROTOCOL_VERSION} / ISA v{P.ISA_VERSION}, host asked for protocol v{proto} / ISA v{isa}")
                 return
-            self.session = True
-            self.cache = None
-            self.reasm.clear()
-            self.replies = ReplyBuffer()
+            if not (self.session and host_nonce == self.host_nonce):  # a new session (a repeated HELLO changes nothing)
+                if self.session:  # frames of the old session, replayed later, carry the old nonce: refused (E_SESSION)
+                    self.nonce = int.from_bytes(os.urandom(4), "little") or 1
+                self.session, self.host_nonce = True, host_nonce
+                self.window.clear()
+                self.reasm.clear()
+                self.replies = ReplyBuffer()
             self._send(send, P.HELLO_REPLY, f.seq, P.pack_hello_reply(self.nonce, self.max_payload, self.max_message))
             return
         if not self.session or f.nonce != self.nonce:
             why = "no session since power-up" if not self.session else f"request carries session nonce 0x{f.nonce:08x}"
-            self._error(send, f.seq, P.E_SESSION, f"HELLO needed: {why}; board session nonce is 0x{self.nonce:08x} (the board was reset?)")
+            self._error(send, f.seq, P.E_SESSION, f"HELLO needed: {why}; board session nonce is 0x{self.nonce:08x} (the board was reset, or another host opened a new session)")
             return
         split = bool(f.flags & P.F_SPLIT_REPLY)
         if f.type == P.FETCH:  # read-only: never cached, always answered afresh (a retry may ask for fewer bytes)
@@ -410,9 +415,14 @@ class Board:
             limit = min(limit, QUERY_MAX_RANGES, (self.max_payload - 8) // 8)
             self._send(send, P.FRAG_ACK, f.seq, P.pack_frag_ack(self.reasm.received, self.reasm.total, self.reasm.missing(start, limit)))
             return
-        if self.cache is not None and self.cache[0] == f.seq and self.cache[1] == f.type:
+        verdict, kept = self.window.check(f.seq, f.type)
+        if verdict == "retx":
             self.counters["duplicates"] += 1
-            self._reply(send, f.seq, self.cache[2], self.cache[3], split, P.F_RETX)
+            self._reply(send, f.seq, kept[0], kept[1], split, P.F_RETX)
+            return
+        if verdict == "replay":  # executed at most once: refused, nothing changes, nothing is kept
+            self.counters["replays"] += 1
+            self._error(send, f.seq, P.E_REPLAY, kept)
             return
         try:
             rtype, rpayload = self._dispatch_msg(f, send)
@@ -438,7 +448,7 @@ class Board:
         if len(rpayload) > (self.max_message if split else self.max_payload):
             rtype, rpayload = P.ERROR, P.pack_error(P.E_OVERSIZE, f"reply of {len(rpayload)} bytes exceeds the board's max " + (
                 f"message {self.max_message}; split the request" if split else f"payload {self.max_payload}; flag the request F_SPLIT_REPLY or split it"))
-        self.cache = (f.seq, f.type, rtype, rpayload)
+        self.window.record(f.seq, f.type, rtype, rpayload)
         self._reply(send, f.seq, rtype, rpayload, split)
 
     def _dispatch_msg(self, f: Frame, send) -> tuple[int, bytes]:

@@ -32,10 +32,11 @@ import numpy as np
 
 from nhil.errors import LoadError, RunError, SetupError
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
-from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, OPINFO, Instr, Op
+from nhil.isa.instr import ALL_CH, CFR_W_FMT, OPINFO, Instr, Op
 from nhil.isa.program import Program
-from nhil.numerics.formats import BY_CODE, DEVICE_FORMATS
+from nhil.numerics.formats import DEVICE_FORMATS
 from nhil.numerics.mac import LANES
+from nhil.isa.semantics import check_instr
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.rtl import proto
 from nhil.targets.rtl.build import REPO, RTL_DIR, SIM_SOURCES, SIM_TOP, BuildSpec, build_root, ensure_build
@@ -360,71 +361,20 @@ class RtlTarget(Target):
         return RunError(f"instruction {idx} ({ins.op.name}): {msg}")
 
     def _check(self, idx: int, ins: Instr, payload) -> None:
-        """The simulator's run-time checks (same conditions and messages as nhil.targets.sim.device)."""
+        """The simulator's run-time checks: the device-semantics table (``nhil.isa.semantics``), then the payload."""
         d, op = self.d, ins.op
         if op not in RTL_OPS:
             raise self._err(idx, ins, "opcode not implemented by the RTL target (reserved in ISA v0)" if op is not Op.HOST else "HOST is not a device instruction")
-        if op in (Op.NOP, Op.SYNC, Op.EOC):
-            return
-
-        def chans():
-            if not ins.flags & ALL_CH and ins.ch >= d.channels:
-                raise self._err(idx, ins, f"channel {ins.ch} >= {d.channels}")
-
-        def span(limit: int, what: str, n: int | None = None):
-            n = ins.n if n is None else n
-            if n == 0 or (ins.col + n) * d.lanes > limit:
-                raise self._err(idx, ins, f"bursts [{ins.col}, {ins.col + n}) outside the {what} of {limit // d.lanes} bursts")
-
-        def row():
-            if ins.row >= d.rows:
-                raise self._err(idx, ins, f"row {ins.row} >= {d.rows}")
-
-        def bank():
-            if ins.bank >= d.banks:
-                raise self._err(idx, ins, f"bank {ins.bank} >= {d.banks}")
-
-        def k():
-            if ins.k >= d.accumulators:
-                raise self._err(idx, ins, f"accumulator {ins.k} >= {d.accumulators}")
-
-        def pay(n: int, dtype):
-            if payload is None or payload.size != n or payload.dtype != dtype:
-                got = "none" if payload is None else f"{payload.size} x {payload.dtype}"
-                raise self._err(idx, ins, f"payload must be {n} x {np.dtype(dtype)}, got {got}")
-
-        if op in (Op.MAC_AB, Op.MAC_SB):
-            row(); k(); chans(); span(d.cols, "row")
-            if op is Op.MAC_SB:
-                bank()
-        elif op in (Op.RD_ACC, Op.WR_ACC):
-            k(); chans()
-            size = (d.channels if ins.flags & ALL_CH else 1) * d.banks
-            if ins.n == 0 or ins.col + ins.n > size:
-                raise self._err(idx, ins, f"slots [{ins.col}, {ins.col + ins.n}) outside the {size} accumulators addressed")
-            if op is Op.WR_ACC:
-                pay(ins.n, np.float32)
-        elif op is Op.WR_GB:
-            chans(); span(d.gb_elems, "global buffer"); pay(ins.n * d.lanes, np.uint16)
-        elif op is Op.WR_SBK:
-            chans(); bank(); row(); span(d.cols, "row", 1); pay(d.lanes, np.uint16)
-        elif op is Op.WR_ABK:
-            chans(); row(); span(d.cols, "row"); pay(ins.n * d.lanes, np.uint16)
-        elif op is Op.RD_SBK:
-            chans()
-            if ins.flags & ALL_CH and d.channels != 1:
-                raise self._err(idx, ins, "RD_SBK reads one channel; ALL_CH is not allowed")
-            bank(); row(); span(d.cols, "row")
-        elif op in (Op.COPY_BK_GB, Op.COPY_GB_BK):
-            chans(); bank(); row(); span(min(d.cols, d.gb_elems), "row/global buffer")
-        elif op is Op.SET_CFR:
-            chans()
-            if ins.k == CFR_W_FMT:
-                if ins.imm != 0 and (ins.imm not in BY_CODE or d.lanes != LANES):
-                    known = ", ".join(f"0x{c:x} {f.name}" for c, f in sorted(BY_CODE.items())) if d.lanes == LANES else f"no others: quantized formats need {LANES} lanes"
-                    raise self._err(idx, ins, f"unknown weight format code 0x{ins.imm:x} for CFR W_FMT (known: 0 bf16, {known})")
-            elif ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
-                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1; reg 1 = W_FMT)")
+        why = check_instr(ins, d)
+        if why:
+            raise self._err(idx, ins, why)
+        if op is Op.SET_CFR and ins.k == CFR_W_FMT and ins.imm != 0 and d.lanes != LANES:  # the RTL decodes quantized rows on 16-lane devices only
+            raise self._err(idx, ins, f"weight format code 0x{ins.imm:x}: quantized formats need {LANES} lanes on the RTL (device has {d.lanes})")
+        need = {Op.WR_ACC: (ins.n, np.float32), Op.WR_GB: (ins.n * d.lanes, np.uint16), Op.WR_SBK: (d.lanes, np.uint16),
+                Op.WR_ABK: (ins.n * d.lanes, np.uint16)}.get(op)
+        if need is not None and (payload is None or payload.size != need[0] or payload.dtype != need[1]):
+            got = "none" if payload is None else f"{payload.size} x {payload.dtype}"
+            raise self._err(idx, ins, f"payload must be {need[0]} x {np.dtype(need[1])}, got {got}")
 
     def _encode(self, block: list[ResolvedInstr]) -> tuple[bytes, list[tuple[int, Instr, int]]]:
         """Beats for the command port, and (index, instr, readback beats) per data-out instruction."""

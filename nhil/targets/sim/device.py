@@ -24,6 +24,7 @@ import numpy as np
 from nhil.errors import RunError
 from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
+from nhil.isa.semantics import check_instr
 from nhil.numerics.bf16 import bf16_bits_to_f32, round_to_bf16
 from nhil.numerics.mac import mac_bursts
 
@@ -89,30 +90,13 @@ class PimState:
     def _err(self, idx: int, ins: Instr, msg: str) -> RunError:
         return RunError(f"instruction {idx} ({ins.op.name}): {msg}")
 
+    # bounds come from the device-semantics table (nhil.isa.semantics.check_instr, run first in step);
+    # these only build the slices an instruction addresses
     def _chans(self, idx: int, ins: Instr) -> slice:
-        if ins.flags & ALL_CH:
-            return slice(0, self.d.channels)
-        if ins.ch >= self.d.channels:
-            raise self._err(idx, ins, f"channel {ins.ch} >= {self.d.channels}")
-        return slice(ins.ch, ins.ch + 1)
+        return slice(0, self.d.channels) if ins.flags & ALL_CH else slice(ins.ch, ins.ch + 1)
 
     def _span(self, idx: int, ins: Instr, limit: int, what: str) -> slice:
-        lo, hi = ins.col * self.d.lanes, (ins.col + ins.n) * self.d.lanes
-        if ins.n == 0 or hi > limit:
-            raise self._err(idx, ins, f"bursts [{ins.col}, {ins.col + ins.n}) outside the {what} of {limit // self.d.lanes} bursts")
-        return slice(lo, hi)
-
-    def _row(self, idx: int, ins: Instr) -> None:
-        if ins.row >= self.d.rows:
-            raise self._err(idx, ins, f"row {ins.row} >= {self.d.rows}")
-
-    def _bank(self, idx: int, ins: Instr) -> None:
-        if ins.bank >= self.d.banks:
-            raise self._err(idx, ins, f"bank {ins.bank} >= {self.d.banks}")
-
-    def _k(self, idx: int, ins: Instr) -> None:
-        if ins.k >= self.d.accumulators:
-            raise self._err(idx, ins, f"accumulator {ins.k} >= {self.d.accumulators}")
+        return slice(ins.col * self.d.lanes, (ins.col + ins.n) * self.d.lanes)
 
     def _payload(self, idx: int, ins: Instr, payload, n: int, dtype) -> np.ndarray:
         if payload is None or payload.size != n or payload.dtype != dtype:
@@ -128,18 +112,17 @@ class PimState:
             RunError: any address, size or payload outside the device (names the instruction).
         """
         op = ins.op
+        why = check_instr(ins, self.d)  # the one device-semantics table (also run by Program.validate at load)
+        if why:
+            raise self._err(idx, ins, why)
         self.counts[op.name] = self.counts.get(op.name, 0) + 1
         d = self.d
         L = d.lanes
         if op is Op.MAC_AB or op is Op.MAC_SB:
-            self._row(idx, ins)
-            self._k(idx, ins)
             cs = self._chans(idx, ins)
             sp = self._span(idx, ins, d.cols, "row")
             s = self.slot(ins.row, allocate=False)
             bs = slice(None) if op is Op.MAC_AB else slice(ins.bank, ins.bank + 1)
-            if op is Op.MAC_SB:
-                self._bank(idx, ins)
             wf = self.cfr[cs, CFR_W_FMT]
             if wf.any():
                 self._mac_quantized(idx, ins, cs, bs, s, int(wf[0]) if (wf == wf[0]).all() else -1)
@@ -153,11 +136,8 @@ class PimState:
             self.macs += w.size
             return None
         if op is Op.RD_ACC or op is Op.WR_ACC:
-            self._k(idx, ins)
             cs = self._chans(idx, ins)
             flat = self.acc[cs, :, ins.k].reshape(-1)
-            if ins.n == 0 or ins.col + ins.n > flat.size:
-                raise self._err(idx, ins, f"slots [{ins.col}, {ins.col + ins.n}) outside the {flat.size} accumulators addressed")
             if op is Op.WR_ACC:
                 p = self._payload(idx, ins, payload, ins.n, np.float32)
                 flat[ins.col : ins.col + ins.n] = p
@@ -174,8 +154,6 @@ class PimState:
             return None
         if op is Op.WR_SBK:
             cs = self._chans(idx, ins)
-            self._bank(idx, ins)
-            self._row(idx, ins)
             sp = self._span(idx, ins._replace(n=1), d.cols, "row")
             p = self._payload(idx, ins, payload, L, np.uint16)
             s = self.slot(ins.row, allocate=True)
@@ -187,7 +165,6 @@ class PimState:
             return None
         if op is Op.WR_ABK:
             cs = self._chans(idx, ins)
-            self._row(idx, ins)
             sp = self._span(idx, ins, d.cols, "row")
             p = self._payload(idx, ins, payload, sp.stop - sp.start, np.uint16)
             s = self.slot(ins.row, allocate=True)
@@ -196,10 +173,6 @@ class PimState:
             return None
         if op is Op.RD_SBK:
             cs = self._chans(idx, ins)
-            if cs.stop - cs.start != 1:
-                raise self._err(idx, ins, "RD_SBK reads one channel; ALL_CH is not allowed")
-            self._bank(idx, ins)
-            self._row(idx, ins)
             sp = self._span(idx, ins, d.cols, "row")
             s = self.slot(ins.row, allocate=False)
             if s < 0:
@@ -207,8 +180,6 @@ class PimState:
             return self.mem[cs.start, ins.bank, s, sp].copy()
         if op is Op.COPY_BK_GB or op is Op.COPY_GB_BK:
             cs = self._chans(idx, ins)
-            self._bank(idx, ins)
-            self._row(idx, ins)
             sp = self._span(idx, ins, min(d.cols, d.gb_elems), "row/global buffer")
             if op is Op.COPY_BK_GB:
                 s = self.slot(ins.row, allocate=False)
@@ -220,13 +191,6 @@ class PimState:
             return None
         if op is Op.SET_CFR:
             cs = self._chans(idx, ins)
-            if ins.k == CFR_W_FMT:
-                from nhil.numerics.formats import BY_CODE
-
-                if ins.imm != 0 and ins.imm not in BY_CODE:
-                    raise self._err(idx, ins, f"unknown weight format code 0x{ins.imm:x} for CFR W_FMT (known: 0 bf16, {', '.join(f'0x{c:x} {f.name}' for c, f in sorted(BY_CODE.items()))})")
-            elif ins.k != CFR_ACC_RD_FMT or ins.imm not in (0, 1):
-                raise self._err(idx, ins, f"unknown CFR register {ins.k} or value {ins.imm} (v0 has reg 0 = RD_ACC format, values 0/1; reg 1 = W_FMT)")
             self.cfr[cs, ins.k] = ins.imm
             return None
         if op in (Op.NOP, Op.SYNC, Op.EOC):
