@@ -50,8 +50,16 @@ def _caught(rep, layer: str, accuracy_alone_passes: bool | None):
 
 
 def _wrap(monkeypatch, name, fn):
+    """Replace host kernel ``name`` by ``fn(real, ...)`` (same signature, so the program still validates at load)."""
+    import functools
+
     real = host_kernels.KERNELS[name]
-    monkeypatch.setitem(host_kernels.KERNELS, name, lambda ins, outs, ctx, **a: fn(real, ins, outs, ctx, **a))
+
+    @functools.wraps(real)
+    def mutant(ins, outs, ctx, **a):
+        return fn(real, ins, outs, ctx, **a)
+
+    monkeypatch.setitem(host_kernels.KERNELS, name, mutant)
 
 
 def test_unmutated_zoo_families_are_bit_identical(dirs):
@@ -112,7 +120,10 @@ def test_burst_summed_in_the_wrong_order(dirs, monkeypatch):
                 np.add(out, s[..., j], out=out)
         return canonicalize_nan(out)
 
+    from nhil.targets.sim import kernels
+
     monkeypatch.setattr(dev_mod, "mac_bursts", reversed_order)
+    monkeypatch.setattr(kernels, "AVAILABLE", False)  # every MAC through PimState.step, where the mutation sits
     _caught(_run("llama-tiny", dirs), "model.layers.0", accuracy_alone_passes=True)
 
 

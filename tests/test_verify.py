@@ -148,7 +148,7 @@ def test_cli_reports_a_truncated_program_without_traceback(tmp_path):
 
 
 def test_first_divergent_token_reports_top_k_membership_and_gaps():
-    from nhil.verify import _token_divergence
+    from nhil.golden.accuracy import token_divergence as _token_divergence
 
     ref = np.array([0.0, 5.0, 4.9, 1.0, -2.0, 0.5, 3.0])
     test = np.array([0.0, 4.8, 5.0, 1.0, -2.0, 0.5, 3.0])

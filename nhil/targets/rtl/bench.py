@@ -184,9 +184,7 @@ def run_formats(model: str = "llama-tiny", device: str = "rtl-tiny", recipes: tu
     """``model`` compiled once per quant recipe and run ``steps`` decode steps on the simulator and the RTL (one
     RTL session for all recipes). Returns per recipe: ``cycles``, ``macs`` (RTL counters), ``rtl_exec_s``,
     ``sim_exec_s``, ``bit_identical``, ``formats`` (program weight formats)."""
-    from nhil.compiler import export_decode, raise_graph
-    from nhil.compiler.lower import lower_decode_graph
-    from nhil.compiler.quantize import build_plan
+    from nhil.compiler import pipeline
     from nhil.isa import DEVICE_PRESETS
     from nhil.models import get_model
     from nhil.runtime import Runner
@@ -196,12 +194,12 @@ def run_formats(model: str = "llama-tiny", device: str = "rtl-tiny", recipes: tu
     bundle = get_model(model)
     ids = bundle.encode(None)
     toks = (list(ids) + [ids[-1]] * steps)[:steps]
-    gm = raise_graph(export_decode(bundle.model, 16)[0], "decode").gm
+    _, raised = pipeline.export_and_raise(bundle, 16)
     dev = DEVICE_PRESETS[device]
     out = []
     with RtlTarget(device=device) as rtl:
         for recipe in recipes:
-            prog = lower_decode_graph(gm, dev, model_name=model, quant=None if recipe == "bf16" else build_plan(recipe, gm))
+            prog, _ = pipeline.lower(raised, dev, plan=None if recipe == "bf16" else pipeline.quant_plan(recipe, raised, bundle), model_name=model)
             res: dict = {"recipe": recipe, "formats": prog.info.get("weight_formats")}
             outs = {}
             for name, tgt in (("sim", SimTarget(device=dev)), ("rtl", rtl)):
