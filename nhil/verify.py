@@ -67,6 +67,7 @@ class VerifyOptions:
     quant: str = "bf16"  # weight quantization recipe [QUANT] (nhil.compiler.quantize), e.g. native, mxfp4, int4-g128:lm_head=bf16
     stage_timeout_scale: float = float(os.environ.get("NHIL_STAGE_TIMEOUT_SCALE", "1"))
     manifest: Path | None = None
+    layers: int | None = None  # --model PATH only: keep the first N decoder layers [LAYERS]
 
     def reproducer(self) -> str:
         parts = [f"make verify MODEL={self.model} TARGET={self.target} TOKENS={self.tokens} SEED={self.seed}"]
@@ -76,6 +77,8 @@ class VerifyOptions:
             parts.append(f"DEVICE={self.device}")
         if self.quant != "bf16":
             parts.append(f"QUANT={shlex.quote(self.quant)}")
+        if self.layers is not None:
+            parts.append(f"LAYERS={self.layers}")
         for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "WAVES"):
             if os.environ.get(env):
                 parts.append(f"{env}={shlex.quote(os.environ[env])}")
@@ -141,7 +144,9 @@ class _Run:
         self.o = opts
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
         qtag = "" if opts.quant == "bf16" else "-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in opts.quant)
-        self.dir = Path(opts.runs_dir) / f"{stamp}-{opts.model}-{opts.target}{qtag}"
+        from nhil.models.from_path import model_label
+
+        self.dir = Path(opts.runs_dir) / f"{stamp}-{model_label(opts.model)}-{opts.target}{qtag}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.report: dict = {
             "outcome": "INCOMPLETE",
@@ -321,7 +326,7 @@ def _verify(run: _Run) -> None:
 
     overrides = expectations.tolerance_overrides(o.model, o.target, o.quant, o.manifest or expectations.DEFAULT_PATH)
     with run.stage("load_model"):
-        bundle = get_model(o.model)
+        bundle = get_model(o.model, layers=o.layers)
         prompt_ids = bundle.encode(o.prompt)
     R["prompt"] = o.prompt if o.prompt is not None else (bundle.default_prompt or ",".join(map(str, prompt_ids)))
     R["prompt_ids"] = prompt_ids
@@ -329,8 +334,8 @@ def _verify(run: _Run) -> None:
 
     with run.stage("golden"):
         key = golden_key(prompt_ids, o.tokens, bundle.weights_id, seed=o.seed)
-        gpath = golden_path(o.goldens_dir, o.model, key)
-        expect = {"model": o.model, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
+        gpath = golden_path(o.goldens_dir, bundle.name, key)
+        expect = {"model": bundle.name, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
         if gpath.exists() and not o.regen:
             gt, gmeta = load_golden(gpath, expect=expect)
             R["golden"] = {"path": str(gpath), "reused": True}

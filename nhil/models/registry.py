@@ -84,15 +84,28 @@ def list_models() -> dict[str, str]:
 _CACHE: dict[str, ModelBundle] = {}
 
 
-def get_model(name: str) -> ModelBundle:
-    """Build (once per process) and return the model registered as ``name``.
+def get_model(name: str, layers: int | None = None) -> ModelBundle:
+    """Build (once per process) and return the model registered as ``name``, or load a path.
+
+    ``name`` may also be a path (``nhil.models.from_path``: a Hugging Face folder, a
+    ``.gguf`` file or a bare ``config.json``); ``layers`` keeps its first N decoder layers.
 
     Raises:
-        SetupError: unknown name (lists the known ones) or a missing weights package.
+        SetupError: unknown name (lists the known ones), a missing weights package, a bad
+            path (names the file and the fix), or ``layers`` given for a registered name.
     """
     _load_builtin()
     if name not in _REGISTRY:
-        raise SetupError(f"unknown model {name!r}; registered: {', '.join(sorted(_REGISTRY))} (see `nhil models`)")
+        from nhil.models.from_path import load_model_path, looks_like_path
+
+        if looks_like_path(name):
+            key = f"{name}\0{layers}"
+            if key not in _CACHE:
+                _CACHE[key] = load_model_path(name, layers)
+            return _CACHE[key]
+        raise SetupError(f"unknown model {name!r}; registered: {', '.join(sorted(_REGISTRY))} (see `nhil models`), or a path: a Hugging Face folder (config.json + *.safetensors), a .gguf file or a config.json")
+    if layers is not None:
+        raise SetupError(f"--layers applies to --model PATH only; {name!r} is a registered model with its own layer count")
     if name not in _CACHE:
         _CACHE[name] = _REGISTRY[name][0]()
     return _CACHE[name]
