@@ -284,6 +284,27 @@ def quant_report(
         _fail(e)
 
 
+@app.command()
+def landscape(
+    only: Optional[str] = typer.Option(None, "--only", help="comma-separated model types (default: every causal-LM architecture)"),
+    jobs: int = typer.Option(1, "--jobs", "-j", help="architectures in parallel (one process each)"),
+    timeout: float = typer.Option(600.0, help="seconds per architecture before it is TIMEOUT"),
+    workdir: Path = typer.Option(Path("runs/landscape"), help="per-architecture folders (resume reuses their row.json)"),
+    output: Path = typer.Option(Path("docs/landscape"), "--output", "-o", help="writes <output>.md and <output>.json"),
+    rerun: bool = typer.Option(False, help="measure architectures that already have a result"),
+) -> None:
+    """Tiny seeded model of every causal-LM architecture through verify --target sim: buckets, totals, ranked blockers."""
+    try:
+        from nhil.landscape import run_landscape
+
+        s = run_landscape([a.strip() for a in only.split(",") if a.strip()] if only else None, jobs, timeout, workdir, output, rerun,
+                          progress=lambda line: typer.echo(line, err=True))
+        typer.echo(" ".join(f"{k}={v}" for k, v in s["totals"].items()))
+        typer.echo(f"report: {output.with_suffix('.md')}")
+    except NhilError as e:
+        _fail(e)
+
+
 def _register_optional() -> None:
     try:
         from nhil.targets.fpga.cli import fpga_emu

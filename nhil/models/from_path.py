@@ -105,9 +105,13 @@ def _read_config(path: Path):
     if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise SetupError(f"{path}: model_type {mt!r} has no causal-LM class in transformers (AutoModelForCausalLM); nhil verifies decoder-only causal LMs")
     try:
-        return CONFIG_MAPPING[mt].from_dict(d)
+        cfg = CONFIG_MAPPING[mt].from_dict(d)
     except Exception as e:  # noqa: BLE001 - config classes validate in their own ways
         raise SetupError(f"{path}: transformers refuses this {mt} config: {type(e).__name__}: {str(e)[:300]}; fix the field it names") from None
+    # MoE experts as batched matmuls: transformers' default per-expert loop has data-dependent
+    # guards that torch.export refuses (as for the zoo's MoE entries); no effect on dense models
+    cfg._experts_implementation = "batched_mm"
+    return cfg
 
 
 def _cut_layers(config, layers: int, where: Path) -> int:
