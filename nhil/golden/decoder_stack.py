@@ -7,7 +7,7 @@ per-layer hidden states (the residual stream). No module naming convention is as
   ``PreTrainedModel.get_input_embeddings``), located by identity in ``named_modules()``;
 * the decoder layers are the ``nn.ModuleList`` whose length is the config's layer count
   (``num_hidden_layers``, or ``n_layer`` / ``num_layers`` / ``n_layers`` for configs that
-  do not alias it; the text sub-config of a multimodal config) and whose elements all
+  do not alias it, or ``decoder_layers``; the text sub-config of a multimodal config) and whose elements all
   share one class. When several lists qualify (e.g. a list of per-layer rotary tables
   beside the blocks), the one holding the most parameters is the decoder stack: the
   blocks carry the projections. Ties are refused rather than guessed.
@@ -25,7 +25,7 @@ import torch
 
 from nhil.errors import GoldenError
 
-__all__ = ["DecoderStack", "find_decoder_stack", "num_layers_of"]
+__all__ = ["DecoderStack", "find_decoder_stack", "num_layers_of", "layer_counts_of"]
 
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
@@ -49,14 +49,24 @@ class DecoderStack:
     layers_path: str
 
 
-def num_layers_of(config) -> int | None:
-    """The decoder layer count of a transformers config (``None`` if it names none).
+def layer_counts_of(config) -> set[int]:
+    """Every layer count the config names (``num_hidden_layers`` and its aliases, ``decoder_layers``).
 
-    Reads ``num_hidden_layers`` (most configs alias their own key to it through
-    ``attribute_map``) or ``n_layer`` / ``num_layers`` / ``n_layers``, on the text
-    sub-config when the config has one (``PretrainedConfig.get_text_config``).
+    Encoder-decoder families used as a causal LM (BART's ``BartForCausalLM``) alias
+    ``num_hidden_layers`` to ``encoder_layers`` while the stack that runs is
+    ``decoder_layers`` long, so a list of any of these lengths qualifies.
     """
-    cfgs = [config]
+    counts = set()
+    for cfg in _configs(config):
+        for key in _LAYER_COUNT_KEYS + ("decoder_layers",):
+            v = getattr(cfg, key, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                counts.add(v)
+    return counts
+
+
+def _configs(config) -> list:
+    cfgs = [config] if config is not None else []
     get_text = getattr(config, "get_text_config", None)
     if callable(get_text):
         try:
@@ -65,7 +75,17 @@ def num_layers_of(config) -> int | None:
             text = None
         if text is not None and text is not config:
             cfgs.insert(0, text)
-    for cfg in cfgs:
+    return cfgs
+
+
+def num_layers_of(config) -> int | None:
+    """The decoder layer count of a transformers config (``None`` if it names none).
+
+    Reads ``num_hidden_layers`` (most configs alias their own key to it through
+    ``attribute_map``) or ``n_layer`` / ``num_layers`` / ``n_layers``, on the text
+    sub-config when the config has one (``PretrainedConfig.get_text_config``).
+    """
+    for cfg in _configs(config):
         for key in _LAYER_COUNT_KEYS:
             v = getattr(cfg, key, None)
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -102,18 +122,18 @@ def find_decoder_stack(model: torch.nn.Module) -> DecoderStack:
             f"cannot capture the golden of {cls}: model.get_input_embeddings() returns no submodule of the model, "
             "so the token-embedding activation has nothing to hook; the model class must implement get_input_embeddings"
         )
-    n = num_layers_of(getattr(model, "config", None))
+    counts = layer_counts_of(getattr(model, "config", None))
     cands = []
     for path, m in model.named_modules():
         if not isinstance(m, torch.nn.ModuleList) or len(m) == 0:
             continue
-        if n is not None and len(m) != n:
+        if counts and len(m) not in counts:
             continue
         if len({type(c) for c in m}) != 1 or _n_params(m) == 0:
             continue
         cands.append((_n_params(m), path, m))
     if not cands:
-        want = f"{n} (config layer count)" if n is not None else "any length (the config names no layer count)"
+        want = f"{' or '.join(map(str, sorted(counts)))} (config layer count)" if counts else "any length (the config names no layer count)"
         raise GoldenError(
             f"cannot capture the golden of {cls}: no torch.nn.ModuleList of {want} identical blocks with parameters "
             "was found, so there are no decoder layers to hook; per-layer hidden states need the decoder blocks in a ModuleList"

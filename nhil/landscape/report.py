@@ -30,7 +30,7 @@ def _family_prefix(cls: str) -> str:
 
 def _role(module_cls: str, arch_cls: str, module_path: str) -> str:
     pre = _family_prefix(arch_cls)
-    if module_cls and pre and module_cls.lower().startswith(pre.lower()) and len(module_cls) > len(pre):
+    if module_cls and pre and module_cls.startswith(pre) and len(module_cls) > len(pre) and module_cls[len(pre)].isupper():
         return module_cls[len(pre):]
     if module_cls:
         return module_cls

@@ -19,7 +19,7 @@ __all__ = ["tiny_config", "causal_lm_architectures", "SHRINK"]
 
 # size fields -> tiny value; set only when the config has the field and it holds a number
 SHRINK: dict[str, int | float] = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "decoder_layers": 2, "encoder_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
     "n_positions": 128, "n_ctx": 128, "ffn_dim": 128, "d_ff": 128, "n_inner": 128, "intermediate_size_mlp": 128,
     "word_embed_proj_dim": 64, "embed_dim": 64, "kv_channels": 16,
@@ -71,6 +71,14 @@ def _shrink(cfg) -> None:
         for key, v in list(vars(cfg).items()):
             if isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
                 setattr(cfg, key, type(v)(v[:2]))
+    if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
+        # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
+        for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
+            if hasattr(cfg, key):
+                try:
+                    setattr(cfg, key, val)
+                except Exception:  # noqa: BLE001
+                    pass
     vocab = getattr(cfg, "vocab_size", 256)
     for key in _TOKEN_IDS:
         v = getattr(cfg, key, None)

@@ -46,7 +46,9 @@ class ModelBundle:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if prompt is None:
             g = torch.Generator().manual_seed(1234)
-            vocab = self.model.config.vocab_size
+            cfg = self.model.config
+            text = cfg.get_text_config() if callable(getattr(cfg, "get_text_config", None)) else cfg  # multimodal: the text part's vocab
+            vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size")
             return torch.randint(0, vocab, (6,), generator=g).tolist()
         try:
             return [int(t) for t in prompt.split(",") if t.strip()]
