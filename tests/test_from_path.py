@@ -198,12 +198,12 @@ def test_cli_bad_path_is_load_fail_not_crash(tmp_path):
 
 # ---- generic golden capture -------------------------------------------------------------
 
-LAYOUTS = {  # families whose decoder stacks are not model.model.layers (each 3 layers; BART's num_hidden_layers names its 2 encoder layers)
+LAYOUTS = {  # families whose decoder stacks are not model.model.layers (each 3 layers)
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=256, hidden_size=64, n_layer=3, n_head=4), "transformer.h"),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_dim=128,
                                                   word_embed_proj_dim=64), "model.decoder.layers"),
     "mpt": ("MptConfig", "MptForCausalLM", dict(vocab_size=256, d_model=64, n_layers=3, n_heads=4), "transformer.blocks"),
-    "bart": ("BartConfig", "BartForCausalLM", dict(vocab_size=256, d_model=64, decoder_layers=3, encoder_layers=2, decoder_attention_heads=4,
+    "bart": ("BartConfig", "BartForCausalLM", dict(vocab_size=256, d_model=64, decoder_layers=3, encoder_layers=3, decoder_attention_heads=4,
                                                     encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128), "model.decoder.layers"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                                                               intermediate_size=128), "gpt_neox.layers"),
