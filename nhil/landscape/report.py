@@ -59,8 +59,8 @@ def blocker_keys(row: dict) -> list[str]:
     return keys
 
 
-def summarize(rows: list[dict], wall_s: float = 0.0, subset=None) -> dict:
-    """Totals, ranked blockers and the rows (JSON-ready)."""
+def summarize(rows: list[dict], wall_s: float = 0.0, subset=None, note: str | None = None) -> dict:
+    """Totals, ranked blockers and the rows (JSON-ready); ``note`` is printed under the header."""
     totals = Counter(r["bucket"] for r in rows)
     appears: Counter = Counter()
     unlocks: Counter = Counter()
@@ -88,7 +88,7 @@ def summarize(rows: list[dict], wall_s: float = 0.0, subset=None) -> dict:
     return {
         "measured": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit, "transformers": transformers.__version__, "torch": torch.__version__,
-        "subset": list(subset) if subset else None, "wall_s": round(wall_s, 1),
+        "subset": list(subset) if subset else None, "wall_s": round(wall_s, 1), "note": note,
         "totals": {b: totals.get(b, 0) for b in BUCKETS if totals.get(b, 0) or b in ("PASS", "CRASH")} | {"rows": len(rows)},
         "blockers": blockers, "rows": rows,
     }
@@ -114,6 +114,8 @@ def render_markdown(s: dict) -> str:
               "seeded weights, `nhil verify --model <config.json> --target sim --tokens 8` in its own process. "
               "PASS = raised bit-exactly, simulator within the bf16 profile, and every weight matrix on PIM (column PIM). "
               "Buckets and blockers: `nhil/landscape/row.py`, `nhil/landscape/report.py`.", ""]
+    if s.get("note"):
+        lines += [s["note"], ""]
     lines += ["## Totals", "", "| " + " | ".join(s["totals"]) + " |", "|" + "---|" * len(s["totals"]),
               "| " + " | ".join(str(v) for v in s["totals"].values()) + " |", ""]
     lines += ["## Blockers, ranked by the architectures each would unlock", "",
