@@ -16,14 +16,15 @@ PROMPT ?=
 DEVICE ?=
 REGEN ?=
 QUANT ?=
+LAYERS ?=
 JOBS ?= 2
 # FPGA_PORT, FPGA_BAUD, FPGA_FAULTS (e.g. byte_flip=0.01,byte_drop=0.002,byte_dup=0.002,seed=1) and WAVES=1 reach the
 # targets as environment variables (make passes command-line variables to the recipe's environment)
 
 VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \
-	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen) $(if $(QUANT),--quant "$(QUANT)")
+	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen) $(if $(QUANT),--quant "$(QUANT)") $(if $(LAYERS),--layers $(LAYERS))
 
-.PHONY: venv verify test test-fast bench nightly sweep checklist clean quant-report
+.PHONY: venv verify test test-fast bench nightly sweep checklist clean quant-report landscape
 
 venv: $(STAMP)
 
@@ -69,6 +70,10 @@ checklist: $(STAMP)
 # accuracy/footprint table of every QUANT recipe on the real llama (slow: ~1 h on 2 CPUs)
 quant-report: $(STAMP)
 	$(NHIL) quant-report --model $(MODEL) --tokens $(TOKENS)
+
+# every causal-LM architecture of the installed transformers through verify --target sim (resumes; ONLY=a,b for a subset)
+landscape: $(STAMP)
+	$(NHIL) landscape --jobs $(JOBS) $(if $(ONLY),--only $(ONLY))
 
 clean:
 	rm -rf runs build .pytest_cache

@@ -151,7 +151,7 @@ def check_verify_args(opts) -> None:
     from nhil.models.registry import list_models
     from nhil.targets.registry import target_names
 
-    check_name("model", opts.model, list_models())
+    check_model(opts.model)
     check_name("target", opts.target, target_names())
     if opts.device is not None:
         check_name("device preset", opts.device, DEVICE_PRESETS)
@@ -163,6 +163,26 @@ def check_verify_args(opts) -> None:
     _check_int("REPEAT", opts.repeat, 1)
     _check_int("SEED", opts.seed, 0, MAX_SEED)
     check_prompt(opts.model, opts.prompt)
+
+
+def check_model(model) -> None:
+    """A registered model name, or ``--model PATH`` resolved to a file or folder that exists (``nhil.models.from_path``).
+
+    Raises:
+        UsageError: neither a registered name nor an existing path (the message names both ways).
+    """
+    from nhil.models.registry import list_models
+
+    names = list_models()
+    if isinstance(model, str) and model not in names and "\x00" not in model and model.strip() == model and model:
+        from nhil.models.from_path import looks_like_path
+
+        if looks_like_path(model):
+            if Path(model).expanduser().resolve().exists():
+                return  # a real path: the loader checks its contents (config.json, weights) and names the file on error
+            raise UsageError(f"--model {_show(model)}: no such file or folder; give a registered model ({', '.join(sorted(names))}) or a path to a "
+                             f"Hugging Face folder, a .gguf file or a config.json")
+    check_name("model", model, names)
 
 
 def check_sweep_names(models: str | None, targets: str | None, quants: str | None) -> None:

@@ -116,7 +116,7 @@ def asm(source: Path, output: Path = typer.Option(..., "-o")) -> None:
 
 @app.command()
 def verify(
-    model: str = typer.Option("llama", "--model", "-m"),
+    model: str = typer.Option("llama", "--model", "-m", help="registered name (`nhil models`), or a path: Hugging Face folder, .gguf file, config.json (seeded weights)"),
     target: str = typer.Option("sim", "--target", "-t"),
     prompt: Optional[str] = typer.Option(None),
     tokens: int = typer.Option(16),
@@ -128,6 +128,7 @@ def verify(
     repeat: int = typer.Option(1, help="repeat the teacher-forced run N times and check bit-identical logits"),
     runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
     quant: str = typer.Option("bf16", "--quant", "-q", help="weight quantization recipe: native|bf16|int8|int4-g128|fp8-e4m3|mxfp8|mxfp6|mxfp4|mxint8|nvfp4|q8_0|q4_0|q4_1 or a format name, with overrides like mxfp4:lm_head=bf16"),
+    layers: Optional[int] = typer.Option(None, "--layers", help="with --model PATH: keep the first N decoder layers"),
 ) -> None:
     """Compile, run on TARGET, compare with the golden; exit 0 only if every check passes."""
     from nhil.report.writer import print_summary
@@ -137,7 +138,7 @@ def verify(
     for kv in option:
         k, _, v = kv.partition("=")
         opts[k] = v
-    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant)
+    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant, layers=layers)
     rep = _checked(run_verify, o)
     print_summary(rep)
     typer.echo(f"report: {rep['run_dir']}/report.md", err=True)
@@ -325,6 +326,27 @@ def quant_report(
         from nhil.quant_report import run_quant_report
 
         run_quant_report(model, [r for r in recipes.split(",") if r] or None, tokens, output, sim=sim, reference=reference)
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def landscape(
+    only: Optional[str] = typer.Option(None, "--only", help="comma-separated model types (default: every causal-LM architecture)"),
+    jobs: int = typer.Option(1, "--jobs", "-j", help="architectures in parallel (one process each)"),
+    timeout: float = typer.Option(600.0, help="seconds per architecture before it is TIMEOUT"),
+    workdir: Path = typer.Option(Path("runs/landscape"), help="per-architecture folders (resume reuses their row.json)"),
+    output: Path = typer.Option(Path("docs/landscape"), "--output", "-o", help="writes <output>.md and <output>.json"),
+    rerun: bool = typer.Option(False, help="measure architectures that already have a result"),
+) -> None:
+    """Tiny seeded model of every causal-LM architecture through verify --target sim: buckets, totals, ranked blockers."""
+    try:
+        from nhil.landscape import run_landscape
+
+        s = run_landscape([a.strip() for a in only.split(",") if a.strip()] if only else None, jobs, timeout, workdir, output, rerun,
+                          progress=lambda line: typer.echo(line, err=True))
+        typer.echo(" ".join(f"{k}={v}" for k, v in s["totals"].items()))
+        typer.echo(f"report: {output.with_suffix('.md')}")
     except NhilError as e:
         _fail(e)
 

@@ -75,6 +75,7 @@ class VerifyOptions:
     quant: str = "bf16"  # weight quantization recipe [QUANT] (nhil.compiler.quantize), e.g. native, mxfp4, int4-g128:lm_head=bf16
     stage_timeout_scale: float = float(os.environ.get("NHIL_STAGE_TIMEOUT_SCALE", "1"))
     manifest: Path | None = None
+    layers: int | None = None  # --model PATH only: keep the first N decoder layers [LAYERS]
     passes: tuple = ()  # scheduling passes (nhil.compiler.pipeline); () here = the default pipeline, set in __post_init__
 
     def __post_init__(self) -> None:
@@ -91,6 +92,8 @@ class VerifyOptions:
             parts.append(f"DEVICE={self.device}")
         if self.quant != "bf16":
             parts.append(f"QUANT={shlex.quote(self.quant)}")
+        if self.layers is not None:
+            parts.append(f"LAYERS={self.layers}")
         for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "WAVES"):
             if os.environ.get(env):
                 parts.append(f"{env}={shlex.quote(os.environ[env])}")
@@ -171,8 +174,9 @@ class _Run:
     def __init__(self, opts: VerifyOptions) -> None:
         self.o = opts
         from nhil.args import new_run_dir
+        from nhil.models.from_path import model_label
 
-        self.dir = new_run_dir(opts.runs_dir, opts.model, opts.target, None if opts.quant == "bf16" else opts.quant)  # sanitised, unique
+        self.dir = new_run_dir(opts.runs_dir, model_label(opts.model), opts.target, None if opts.quant == "bf16" else opts.quant)  # sanitised, unique
         self.report: dict = {
             "outcome": "INCOMPLETE",
             "stage": "start",
@@ -359,7 +363,7 @@ def _verify(run: _Run) -> None:
 
     overrides = expectations.tolerance_overrides(o.model, o.target, o.quant, o.manifest or expectations.DEFAULT_PATH)
     with run.stage("load_model"):
-        bundle = get_model(o.model, seed=o.seed)
+        bundle = get_model(o.model, seed=o.seed, layers=o.layers)
         prompt_ids = bundle.encode(o.prompt)
     R["prompt"] = o.prompt if o.prompt is not None else (bundle.default_prompt or ",".join(map(str, prompt_ids)))
     R["prompt_ids"] = prompt_ids
@@ -367,8 +371,8 @@ def _verify(run: _Run) -> None:
 
     with run.stage("golden"):
         key = golden_key(prompt_ids, o.tokens, bundle.weights_id, seed=o.seed)
-        gpath = golden_path(o.goldens_dir, o.model, key)
-        expect = {"model": o.model, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
+        gpath = golden_path(o.goldens_dir, bundle.name, key)
+        expect = {"model": bundle.name, "weights_id": bundle.weights_id, "prompt_ids": json.dumps(prompt_ids), "n_tokens": str(o.tokens)}
         gt, gmeta, R["golden"] = obtain_golden(gpath, expect, o.regen, lambda: generate_golden(bundle, prompt_ids, o.tokens, seed=o.seed, prompt_text=R["prompt"]),
                                                shapes=golden_shapes(bundle.model))  # once per key, under its lock
     golden_tokens = [int(t) for t in gt["tokens"].tolist()]

@@ -5,10 +5,10 @@ Two passes (shapes for prompt length P, generated tokens T, hidden H, vocab V):
 1. Greedy ``model.generate`` (``do_sample=False``, ``max_new_tokens=T``, EOS ignored so
    exactly T tokens come out) gives the golden tokens.
 2. One teacher-forced forward over ``prompt_ids + tokens[:-1]`` (length P+T-1, no KV
-   cache) with forward hooks on the token embedding and every decoder layer
-   (``model.model.embed_tokens`` / ``model.model.layers[l]``; GPT-2:
-   ``model.transformer.wte`` / ``model.transformer.h[l]``, see :func:`decoder_modules`)
-   gives the per-position activations and the logits.
+   cache) with forward hooks on the token embedding and every decoder layer, found from
+   the model itself with no naming convention (``nhil.golden.decoder_stack``:
+   ``get_input_embeddings()`` and the ModuleList of the config's layer count), gives the
+   per-position activations and the logits.
 
 Teacher forcing is what targets are compared against: every step sees the golden prefix,
 so one wrong token does not make all later steps incomparable (vLLM
@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["generate_golden", "config_hash", "act_name", "decoder_modules"]
+from nhil.errors import GoldenError
+from nhil.golden.decoder_stack import find_decoder_stack
+
+__all__ = ["generate_golden", "config_hash", "act_name"]
 
 
 def act_name(module_path: str) -> str:
@@ -36,35 +39,13 @@ def config_hash(model: torch.nn.Module) -> str:
     return hashlib.sha256(model.config.to_json_string().encode("utf-8")).hexdigest()
 
 
-def decoder_modules(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.ModuleList]:
-    """``(decoder, token embedding, decoder layers)`` of a HF causal LM.
-
-    Llama-style models: ``model.model`` / ``.embed_tokens`` / ``.layers``; GPT-2 style:
-    ``model.transformer`` / ``.wte`` / ``.h``. Their activations are stored under the
-    canonical names ``act.model.embed_tokens`` and ``act.model.layers.{l}`` either way
-    (the token embedding without positions; each layer's output hidden state).
-
-    Raises:
-        ValueError: neither layout (names the model class).
-    """
-    for inner_name, emb_name, layers_name in (("model", "embed_tokens", "layers"), ("transformer", "wte", "h")):
-        inner = getattr(model, inner_name, None)
-        if inner is not None and hasattr(inner, emb_name) and hasattr(inner, layers_name):
-            return inner, getattr(inner, emb_name), getattr(inner, layers_name)
-    raise ValueError(
-        f"cannot find the token embedding and decoder layers of {type(model).__name__}: expected "
-        "model.model.embed_tokens / .layers (Llama style) or model.transformer.wte / .h (GPT-2 style); "
-        "add the layout to nhil.golden.generate.decoder_modules"
-    )
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    # decoder layers return a tensor in transformers 5; older versions return (hidden, ...)
+def _first_tensor(out: Any, where: str) -> torch.Tensor:
+    # decoder layers return a tensor in transformers 5; older versions and some families return (hidden, ...)
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise TypeError(f"cannot find the hidden-state tensor in a module output of type {type(out).__name__}")
+    raise GoldenError(f"cannot capture the golden: {where} returned a {type(out).__name__}, not a hidden-state tensor (or a tuple starting with one)")
 
 
 @torch.no_grad()
@@ -79,8 +60,8 @@ def generate_golden(
     """Golden tokens, logits and per-layer activations of ``bundle.model`` in eager fp32.
 
     Args:
-        bundle: a :class:`nhil.models.ModelBundle` (its ``model`` is a HF causal LM in
-            one of the layouts of :func:`decoder_modules`, fp32, eval mode).
+        bundle: a :class:`nhil.models.ModelBundle` (its ``model`` is a HF causal LM,
+            fp32, eval mode; any module layout, see :mod:`nhil.golden.decoder_stack`).
         prompt_ids: P >= 1 prompt token ids.
         n_tokens: T >= 1 tokens to generate greedily (EOS does not stop generation).
         seed: ``torch.manual_seed`` before generating (greedy decoding does not sample;
@@ -100,14 +81,17 @@ def generate_golden(
 
         Metadata (all str): model, weights_id, prompt, prompt_ids (JSON list), n_tokens,
         seed, dtype ("float32"), config_hash, generator ("pytorch-eager"), num_layers,
+        embedding_path / layers_path (module paths the activations were captured at),
         hidden_size, vocab_size, teacher_forced_argmax_matches ("true"/"false": argmax of
         every ``logits`` row equals ``tokens``), teacher_forced_mismatch_steps (JSON
         list of step indices where it does not; KV-cached and full-sequence attention
         round differently, so a near-tie can flip).
 
     Raises:
-        ValueError: empty prompt, n_tokens < 1, generate returned the wrong length, or
-            the model has neither module layout of :func:`decoder_modules`.
+        ValueError: empty prompt or n_tokens < 1.
+        GoldenError: the decoder stack cannot be found or hooked, eager ``generate`` /
+            forward of the model failed, or a layer's output is not [1, P+T-1, H]
+            (all LOAD_FAIL in ``nhil verify``, naming the model class and the module).
     """
     if len(prompt_ids) < 1:
         raise ValueError("generate_golden needs at least one prompt token")
@@ -118,44 +102,59 @@ def generate_golden(
     ids = torch.tensor([list(map(int, prompt_ids))], dtype=torch.int64)
     P, T = ids.shape[1], int(n_tokens)
 
+    stack = find_decoder_stack(model)  # before generating: an uncapturable model fails fast
+    cls = type(model).__name__
     torch.manual_seed(seed)
     pad = getattr(model.config, "pad_token_id", None)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=T,
-        eos_token_id=None,
-        pad_token_id=pad if pad is not None else 0,
-    )
+    try:
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=T,
+            eos_token_id=None,
+            pad_token_id=pad if pad is not None else 0,
+        )
+    except Exception as e:  # noqa: BLE001 - the eager reference itself failed: a clear LOAD_FAIL, not a CRASH
+        raise GoldenError(f"cannot generate the golden: eager {cls}.generate failed: {type(e).__name__}: {str(e)[:300]}") from e
     tokens = out[0, P:].to(torch.int64)
     if tokens.numel() != T:
-        raise ValueError(f"model.generate returned {tokens.numel()} new tokens, expected {T}")
+        raise GoldenError(f"cannot generate the golden: {cls}.generate returned {tokens.numel()} new tokens, expected {T}")
 
-    _, embed, layers = decoder_modules(model)
     captured: dict[str, torch.Tensor] = {}
+    S = P + T - 1
 
-    def hook(name: str):
+    def hook(name: str, where: str):
         def fn(_module, _inp, output):
-            captured[name] = _first_tensor(output)[0].detach().to(torch.float32).clone()
+            h = _first_tensor(output, where)
+            if h.dim() != 3 or h.shape[0] != 1 or h.shape[1] != S:
+                raise GoldenError(f"cannot capture the golden: {where} returned shape {tuple(h.shape)}, expected [1, {S}, hidden] (token-major hidden state)")
+            captured[name] = h[0].detach().to(torch.float32).clone()
 
         return fn
 
-    handles = [embed.register_forward_hook(hook(act_name("model.embed_tokens")))]
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_hook(hook(act_name(f"model.layers.{i}"))))
+    handles = [stack.embedding.register_forward_hook(hook(act_name("model.embed_tokens"), f"token embedding {stack.embedding_path!r}"))]
+    for i, layer in enumerate(stack.layers):
+        handles.append(layer.register_forward_hook(hook(act_name(f"model.layers.{i}"), f"decoder layer {stack.layers_path}.{i} ({type(layer).__name__})")))
     try:
         full = torch.cat([ids[0], tokens[:-1]]).unsqueeze(0)
         fwd = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False)
+    except GoldenError:
+        raise
+    except Exception as e:  # noqa: BLE001 - as for generate
+        raise GoldenError(f"cannot generate the golden: eager {cls} forward (teacher-forced, no cache) failed: {type(e).__name__}: {str(e)[:300]}") from e
     finally:
         for h in handles:
             h.remove()
+    missing = [n for n in [act_name("model.embed_tokens")] + [act_name(f"model.layers.{i}") for i in range(len(stack.layers))] if n not in captured]
+    if missing:
+        raise GoldenError(f"cannot capture the golden of {cls}: the forward pass never called {', '.join(missing)} (layers under {stack.layers_path!r})")
     logits = fwd.logits[0, P - 1 :, :].to(torch.float32).contiguous()  # [T, V]
 
     mism = torch.nonzero(logits.argmax(dim=-1) != tokens).flatten().tolist()
     tensors: dict[str, torch.Tensor] = {"prompt_ids": ids[0].clone(), "tokens": tokens.clone(), "logits": logits}
     tensors[act_name("model.embed_tokens")] = captured[act_name("model.embed_tokens")]
-    for i in range(len(layers)):
+    for i in range(len(stack.layers)):
         tensors[act_name(f"model.layers.{i}")] = captured[act_name(f"model.layers.{i}")]
 
     if prompt_text is None:
@@ -171,7 +170,9 @@ def generate_golden(
         "dtype": "float32",
         "config_hash": config_hash(model),
         "generator": "pytorch-eager",
-        "num_layers": str(len(layers)),
+        "num_layers": str(len(stack.layers)),
+        "embedding_path": stack.embedding_path,
+        "layers_path": stack.layers_path,
         "hidden_size": str(getattr(cfg, "hidden_size", "")),
         "vocab_size": str(logits.shape[-1]),
         "teacher_forced_argmax_matches": "true" if not mism else "false",

@@ -50,7 +50,9 @@ class ModelBundle:
             import torch
 
             g = torch.Generator().manual_seed(1234)
-            vocab = self.model.config.vocab_size
+            cfg = self.model.config
+            text = cfg.get_text_config() if callable(getattr(cfg, "get_text_config", None)) else cfg  # multimodal: the text part's vocab
+            vocab = getattr(text, "vocab_size", None) or getattr(cfg, "vocab_size")
             return torch.randint(0, vocab, (6,), generator=g).tolist()
         try:
             ids = [int(t) for t in prompt.split(",") if t.strip()]
@@ -126,7 +128,7 @@ def list_models() -> dict[str, str]:
     return {k: v[1] for k, v in sorted(_REGISTRY.items())}
 
 
-_CACHE: dict[tuple[str, int | None], ModelBundle] = {}
+_CACHE: dict = {}  # (name, seed) or "path\0layers" -> ModelBundle
 
 
 def is_seeded(name: str) -> bool:
@@ -137,18 +139,31 @@ def is_seeded(name: str) -> bool:
     return name in _REGISTRY and "seed" in inspect.signature(_REGISTRY[name][0]).parameters
 
 
-def get_model(name: str, seed: int | None = None) -> ModelBundle:
-    """Build (once per process and seed) and return the model registered as ``name``.
+def get_model(name: str, seed: int | None = None, layers: int | None = None) -> ModelBundle:
+    """Build (once per process and seed) and return the model registered as ``name``, or load a path.
 
     Args:
+        name: a registry name, or a path (``nhil.models.from_path``: a Hugging Face folder, a
+            ``.gguf`` file or a bare ``config.json``).
         seed: weight seed of a seeded tiny model (default 0; ``weights_id`` records it as
             ``seed:<n>``); ignored by real checkpoints, whose weights are the file's.
+        layers: for a path, keep its first N decoder layers.
     Raises:
-        SetupError: unknown name (lists the known ones) or a missing weights package.
+        SetupError: unknown name (lists the known ones), a missing weights package, a bad
+            path (names the file and the fix), or ``layers`` given for a registered name.
     """
     _load_builtin()
     if name not in _REGISTRY:
-        raise SetupError(f"unknown model {name!r}; registered: {', '.join(sorted(_REGISTRY))} (see `nhil models`)")
+        from nhil.models.from_path import load_model_path, looks_like_path
+
+        if looks_like_path(name):
+            key = f"{name}\0{layers}"
+            if key not in _CACHE:
+                _CACHE[key] = load_model_path(name, layers)
+            return _CACHE[key]
+        raise SetupError(f"unknown model {name!r}; registered: {', '.join(sorted(_REGISTRY))} (see `nhil models`), or a path: a Hugging Face folder (config.json + *.safetensors), a .gguf file or a config.json")
+    if layers is not None:
+        raise SetupError(f"--layers applies to --model PATH only; {name!r} is a registered model with its own layer count")
     key = (name, int(seed or 0)) if is_seeded(name) else (name, None)
     if key not in _CACHE:
         fn = _REGISTRY[name][0]

@@ -7,18 +7,20 @@ configs follow ``/work/shared/research/tiny_configs.py`` (verified to export wit
 MoE families loaded with ``experts_implementation="batched_mm"`` (the default per-expert
 loop does not export: data-dependent guards).
 
-Weights: ``torch.manual_seed(seed)`` then HF's default init, after which every matrix
-(and every 3-D expert tensor) is redrawn from N(0, 0.15): the default std 0.02 gives
-near-uniform logits, so greedy decoding would hinge on ties. Norm weights and biases keep
-their init except that 1-D biases are redrawn from N(0, 0.1) so that QKV bias matters;
-likewise DeepSeek-V3's router buffer ``e_score_correction_bias`` (zeros at init) is drawn
-from N(0, 0.1) so that the bias-corrected expert selection differs from the plain one.
+Weights: ``torch.manual_seed(seed)`` then HF's default init, after which
+:func:`nhil.models.seeding.seed_weights` redraws every matrix (and every 3-D expert
+tensor) from N(0, 0.15): the default std 0.02 gives near-uniform logits, so greedy
+decoding would hinge on ties. Norm weights keep their init; 1-D biases are redrawn from
+N(0, 0.1) so that QKV bias matters, and DeepSeek-V3's router buffer
+``e_score_correction_bias`` (zeros at init) from N(0, 0.1) so that the bias-corrected
+expert selection differs from the plain one.
 """
 
 from __future__ import annotations
 
 
 from nhil.models.registry import ModelBundle, register
+from nhil.models.seeding import seed_weights
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -100,17 +102,7 @@ def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
     _, model_cls, _, notes = ZOO[name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(build_config(name))
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-            elif pname.endswith("bias") and "norm" not in pname and "ln_" not in pname:
-                p.normal_(0.0, 0.1)
-        weights_id = f"seed:{seed}"
-        for bname, buf in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):  # deepseek_v3: HF inits it to 0, which hides the bias correction
-                buf.normal_(0.0, 0.1)
-                weights_id = f"seed:{seed};router-bias:N(0,0.1)"
+    weights_id = f"seed:{seed}" + seed_weights(model, 0.15)
     model.eval()
     return ModelBundle(name=name, model=model, tokenizer=None, weights_id=weights_id, source=f"{model_cls} tiny (seeded): {notes}")
 

@@ -1,0 +1,110 @@
+"""A tiny seeded config for any causal-LM architecture of the installed transformers.
+
+:func:`tiny_config` starts from the config class's own defaults (the published model's
+shape) and shrinks every size field it has to the zoo's tiny shape (hidden 64, 2 layers,
+4 query / 2 KV heads, head dim 16, vocab 256, MoE 4 experts top-2; as in
+``/work/shared/research/tiny_configs.py``). Fields are set through the config's
+``attribute_map`` (``n_embd`` for ``hidden_size``, ...), so no per-family table is needed;
+per-layer lists of the old layer count (``layer_types``, ...) are cut to 2, and special
+token ids outside the tiny vocabulary are moved inside it. Multimodal configs shrink
+their text sub-config; an architecture that cannot be built this way is a CONFIG row of
+the landscape with the reason.
+"""
+
+from __future__ import annotations
+
+from nhil.errors import SetupError
+
+__all__ = ["tiny_config", "causal_lm_architectures", "SHRINK"]
+
+# size fields -> tiny value; set only when the config has the field and it holds a number
+SHRINK: dict[str, int | float] = {
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "decoder_layers": 2, "encoder_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+    "n_positions": 128, "n_ctx": 128, "ffn_dim": 128, "d_ff": 128, "n_inner": 128, "intermediate_size_mlp": 128,
+    "word_embed_proj_dim": 64, "embed_dim": 64, "kv_channels": 16,
+    # MoE
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
+    "moe_topk": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 32, "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64, "n_shared_experts": 1, "num_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 2, "topk_group": 1,
+    # MLA
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+    # windows, chunks, partial rotary
+    "sliding_window": 8, "attention_chunk_size": 8, "rotary_dim": 8, "rotary_emb_base": 10000,
+    # SSM / linear-attention parts of hybrids
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "state_size": 16, "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
+    "num_heads": 4, "ssm_state_size": 16, "n_groups": 1, "mamba_n_groups": 1,
+}
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
+_TEXT_SUBCONFIGS = ("text_config", "decoder", "language_config", "llm_config", "decoder_config")
+
+
+def causal_lm_architectures() -> dict[str, str]:
+    """``model_type -> causal-LM class name`` of the installed transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _shrink(cfg) -> None:
+    from nhil.golden.decoder_stack import num_layers_of
+
+    old_layers = num_layers_of(cfg)
+    for key, val in SHRINK.items():
+        try:
+            cur = getattr(cfg, key)
+        except AttributeError:
+            continue
+        if _is_num(cur):  # None (e.g. no sliding window), lists and dicts keep their meaning
+            try:
+                setattr(cfg, key, type(cur)(val))
+            except Exception:  # noqa: BLE001 - a read-only property of this config: leave it
+                pass
+    if old_layers and old_layers != 2:
+        for key, v in list(vars(cfg).items()):
+            if isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
+                setattr(cfg, key, type(v)(v[:2]))
+    if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
+        # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
+        for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
+            if hasattr(cfg, key):
+                try:
+                    setattr(cfg, key, val)
+                except Exception:  # noqa: BLE001
+                    pass
+    vocab = getattr(cfg, "vocab_size", 256)
+    for key in _TOKEN_IDS:
+        v = getattr(cfg, key, None)
+        if _is_num(v) and v >= vocab:
+            setattr(cfg, key, {"bos_token_id": 1, "eos_token_id": 2}.get(key, 0))
+        elif isinstance(v, list) and any(_is_num(x) and x >= vocab for x in v):
+            setattr(cfg, key, [2])
+
+
+def tiny_config(model_type: str):
+    """The tiny config of ``model_type`` (see the module docstring).
+
+    Raises:
+        SetupError: unknown model type, or the config class refuses its defaults.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise SetupError(f"unknown model_type {model_type!r} in the installed transformers")
+    try:
+        cfg = CONFIG_MAPPING[model_type]()
+    except Exception as e:  # noqa: BLE001 - the config class cannot be built from its defaults
+        raise SetupError(f"{CONFIG_MAPPING[model_type].__name__}() with its defaults fails: {type(e).__name__}: {str(e)[:200]}") from None
+    _shrink(cfg)
+    for sub in _TEXT_SUBCONFIGS:
+        s = getattr(cfg, sub, None)
+        if s is not None and hasattr(s, "to_dict"):
+            _shrink(s)
+    return cfg
