@@ -178,10 +178,12 @@ def check_model(model) -> None:
         from nhil.models.from_path import looks_like_path
 
         if looks_like_path(model):
-            if Path(model).expanduser().resolve().exists():
-                return  # a real path: the loader checks its contents (config.json, weights) and names the file on error
-            raise UsageError(f"--model {_show(model)}: no such file or folder; give a registered model ({', '.join(sorted(names))}) or a path to a "
-                             f"Hugging Face folder, a .gguf file or a config.json")
+            p = Path(model).expanduser().resolve()
+            if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file() and p.suffix in (".gguf", ".json")):
+                return  # a real model path: the loader checks its contents (weights, shapes) and names the file on error
+            why = "no such file or folder" if not p.exists() else "not a Hugging Face folder (no config.json), a .gguf file or a config.json"
+            raise UsageError(f"--model {_show(model)} is not a model name, and not a usable path: {why}; give a registered model "
+                             f"({', '.join(sorted(names))}) or a path to a Hugging Face folder, a .gguf file or a config.json")
     check_name("model", model, names)
 
 

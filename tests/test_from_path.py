@@ -189,11 +189,13 @@ def test_layers_refused_for_registered_model():
         get_model("llama-tiny", layers=1)
 
 
-def test_cli_bad_path_is_load_fail_not_crash(tmp_path):
+def test_cli_bad_path_is_a_usage_error_not_crash(tmp_path):
+    """A path that does not exist is refused before any work (nhil.args: exit 64, no run folder), naming it."""
     r = subprocess.run([sys.executable, "-m", "nhil.cli", "verify", "--model", str(tmp_path / "absent"), "--runs-dir", str(tmp_path / "runs")],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1
-    assert "LOAD_FAIL" in r.stderr and str(tmp_path / "absent") in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 64
+    assert "USAGE_ERROR" in r.stderr and str(tmp_path / "absent") in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 # ---- generic golden capture -------------------------------------------------------------

@@ -336,8 +336,9 @@ def test_render_markdown_tables():
 
     md = render_markdown(_sample_report())
     assert md.startswith("# nhil verify: MISMATCH")
-    assert "| 1 | 6 | 120 | 7 | 0.91 | 12 | 0.3 | 2.5 | **NO** |" in md
-    assert "| model.layers.1 | 0.95 | 13 | 1.5 | **FAIL** |" in md
+    assert "| 1 | 6 | 120 | 7 | 0.9100000000 (1-cos 0.09) | 12 | 0.3 | 2.5 | **NO** |" in md  # cosine with enough digits to differ from 1
+    assert "| model.layers.1 | 0.9500000000 (1-cos 0.05) | 13 | 1.5 | **FAIL** |" in md
+    assert "| model.layers.2 | 1 (exact) |" in md
     assert "| logits | **FAIL** | step 2 sqnr 12 dB < 25 |" in md
     assert "First divergent layer: **model.layers.1**" in md
     assert "make verify MODEL=llama-tiny" in md

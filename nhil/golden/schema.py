@@ -62,15 +62,16 @@ def _int_meta(meta: Mapping[str, str], key: str) -> int | None:
 def golden_shapes(model: torch.nn.Module) -> dict[str, int]:
     """``vocab_size`` (rows of the output embedding), ``num_layers`` and ``hidden_size`` of
     ``model``, computed as ``generate_golden`` records them; keys it cannot find are left out."""
-    from nhil.golden.generate import decoder_modules
+    from nhil.errors import GoldenError
+    from nhil.golden.decoder_stack import find_decoder_stack
 
     out: dict[str, int] = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and getattr(head, "weight", None) is not None:
         out["vocab_size"] = int(head.weight.shape[0])
     try:
-        out["num_layers"] = len(decoder_modules(model)[2])
-    except (ValueError, AttributeError, TypeError):
+        out["num_layers"] = len(find_decoder_stack(model).layers)
+    except (GoldenError, ValueError, AttributeError, TypeError):
         pass
     h = getattr(getattr(model, "config", None), "hidden_size", None)
     if isinstance(h, int):
