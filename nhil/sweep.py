@@ -29,7 +29,7 @@ import time
 import zlib
 from pathlib import Path
 
-from nhil.expectations import apply_expectation
+from nhil.expectations import apply_expectation, row_variant
 
 
 def row_seed(model: str, target: str, quant: str, run_seed: int) -> int:
@@ -44,23 +44,49 @@ def reproducer(row: dict, run_seed: int) -> str:
     cmd = f"make verify MODEL={model} TARGET={target} TOKENS={int(row.get('tokens', 16))} SEED={seed}"
     if row.get("device"):
         cmd += f" DEVICE={row['device']}"
-    return cmd + (f" QUANT={quant}" if quant != "bf16" else "")
+    cmd += f" QUANT={quant}" if quant != "bf16" else ""
+    for key, var in (("faults", "FPGA_FAULTS"), ("board", "FPGA_BOARD")):
+        if row.get(key):
+            cmd += f" {var}={row[key]}"
+    return cmd
+
+
+def row_id(row: dict) -> str:
+    """``model-target-quant`` plus the variant's key=value parts (faults, board) for variant rows."""
+    rid = f"{row['model']}-{row['target']}-{row.get('quant') or 'bf16'}"
+    v = row.get("variant") if "variant" in row else row_variant(row)
+    return rid + ("" if not v else "-" + "".join(c if c.isalnum() or c in "._=" else "_" for c in v))
+
+
+def row_env(row: dict) -> dict:
+    """Environment additions of a row's ``nhil verify``: ``FPGA_FAULTS`` and ``FPGA_BOARD``
+    from its ``faults`` / ``board`` fields (``nhil/expectations.py``)."""
+    env = {}
+    if row.get("faults"):
+        env["FPGA_FAULTS"] = str(row["faults"])
+    if row.get("board"):
+        env["FPGA_BOARD"] = str(row["board"])
+    return env
 
 
 def pending_row(row: dict, run_seed: int) -> dict:
     """The INCOMPLETE record a shared sweep logs when a row starts (replaced when it ends)."""
     quant = row.get("quant", "bf16")
-    return {"model": row["model"], "target": row["target"], "quant": quant, "seed": row_seed(row["model"], row["target"], quant, run_seed),
+    return {"model": row["model"], "target": row["target"], "quant": quant, "variant": row_variant(row), "seed": row_seed(row["model"], row["target"], quant, run_seed),
             "outcome": "INCOMPLETE", "expected": row.get("expect", "PASS"), "as_expected": False, "reproducer": reproducer(row, run_seed),
             "error": f"row started {_now().isoformat(timespec='seconds')} (pid {os.getpid()}) and has not finished: still running, or its worker died"}
 
 
-def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable) -> dict:
-    """Run one combination in a subprocess; return its final report dict (never raises for run failures)."""
+def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable, cwd: Path | None = None) -> dict:
+    """Run one combination in a subprocess; return its final report dict (never raises for run failures).
+
+    ``cwd``: the checkout the subprocess runs in (its ``goldens/``; default: this process's).
+    A row's ``faults`` / ``board`` reach verify as ``FPGA_FAULTS`` / ``FPGA_BOARD``."""
     model, target, quant = row["model"], row["target"], row.get("quant", "bf16")
     seed = row_seed(model, target, quant, run_seed)
     tokens = int(row.get("tokens", 16))
-    runs_dir = Path(out_dir) / f"{model}-{target}-{quant}"
+    variant = row_variant(row)
+    runs_dir = Path(out_dir) / row_id(dict(row, variant=variant))
     cmd = [python, "-m", "nhil.cli", "verify", "-m", model, "-t", target, "--tokens", str(tokens), "--seed", str(seed), "--runs-dir", str(runs_dir)]
     if quant != "bf16":
         cmd += ["--quant", quant]
@@ -69,7 +95,11 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     t0 = time.perf_counter()
     timed_out = False
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        env = dict(os.environ, **row_env(row))
+        for var, key in (("FPGA_FAULTS", "faults"), ("FPGA_BOARD", "board")):
+            if not row.get(key):
+                env.pop(var, None)  # a plain row never inherits the caller's faults or board
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
         tail = (proc.stderr or "")[-2000:]
     except subprocess.TimeoutExpired as e:
         timed_out = True
@@ -85,6 +115,8 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     rep.setdefault("model", model)
     rep.setdefault("target", target)
     rep["quant"] = quant
+    rep["variant"] = variant
+    rep.update({k: row[k] for k in ("faults", "board") if row.get(k)})
     rep["seed"] = seed
     rep.setdefault("reproducer", reproducer(row, run_seed))
     rep["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -123,7 +155,8 @@ def matrix_markdown(results: list[dict], meta: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-LOG_FIELDS = ("model", "target", "quant", "seed", "outcome", "expected", "as_expected", "error", "reproducer", "wall_s", "run_dir", "stage")
+LOG_FIELDS = ("model", "target", "quant", "variant", "faults", "board", "seed", "outcome", "expected", "as_expected", "error", "reproducer", "wall_s", "run_dir", "stage",
+              "node", "git_commit", "finished")
 
 
 def _now() -> _dt.datetime:
@@ -148,7 +181,7 @@ def read_log(out: Path) -> list[dict]:
             r = json.loads(line)
         except json.JSONDecodeError:  # a half-written last line of a killed writer
             continue
-        rows[(r.get("model"), r.get("target"), r.get("quant") or "bf16")] = r
+        rows[(r.get("model"), r.get("target"), r.get("quant") or "bf16", r.get("variant") or "")] = r
     return list(rows.values())
 
 
@@ -166,13 +199,17 @@ def write_aggregate(out: Path, results: list[dict], meta: dict, title: str = "nh
     for r in results:
         counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
     summary = dict(meta, outcomes=counts, as_expected=sum(1 for r in results if r.get("as_expected")))
-    atomic_write_text(out / "matrix.md", matrix_markdown(results, meta))
-    write_junit(out / "junit.xml", results, suite="nhil-sweep")
-    write_sweep_html(out / "report.html", results, meta, title=title)
+    shown = [dict(r, quant=f"{r.get('quant') or 'bf16'} [{r['variant']}]") if r.get("variant") else r for r in results]  # a variant row gets its own cell
+    atomic_write_text(out / "matrix.md", matrix_markdown(shown, meta))
+    write_junit(out / "junit.xml", shown, suite="nhil-sweep")
+    write_sweep_html(out / "report.html", shown, meta, title=title)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _append(log_path: Path, rep: dict) -> None:
+    if rep.get("outcome") != "INCOMPLETE":
+        rep.setdefault("finished", _now().isoformat(timespec="seconds"))
+    rep.setdefault("git_commit", _GIT_COMMIT or git_commit())
     with open(log_path, "a") as log:
         log.write(json.dumps({k: rep.get(k) for k in LOG_FIELDS}, default=str) + "\n")
         log.flush()
@@ -319,12 +356,17 @@ def checklist_markdown(manifest: list[dict], results: list[dict], meta: dict | N
     return "\n".join(lines) + "\n"
 
 
+_GIT_COMMIT: str | None = None
+
+
 def git_commit() -> str:
     """``git describe --always --dirty`` of the working directory ("unknown" outside a git checkout)."""
+    global _GIT_COMMIT
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        _GIT_COMMIT = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        _GIT_COMMIT = "unknown"
+    return _GIT_COMMIT
 
 
 def latest_summary(out_root: Path = Path("runs/sweeps")) -> dict:

@@ -1,0 +1,293 @@
+"""``nhil sweep --ray auto|ADDRESS``: every manifest row as one Ray task.
+
+Each row becomes a task with the resources of :func:`nhil.cluster.resources.row_resources`
+(CPU, memory, ``rtl``, ``fpga_board:<name>``) and ``max_retries=0``: a row runs once, like
+in the local sweep, and the task runs the same :func:`nhil.sweep.run_one` (``nhil verify``
+in a subprocess with the row's timeout). The driver (this process) is the only writer of
+the sweep folder: it logs every row INCOMPLETE when it is submitted and again when it
+starts (with its node), then the row's outcome as soon as the task ends, and rewrites the
+aggregated reports (``results.jsonl``, ``matrix.md``, ``junit.xml``, ``report.html``,
+``summary.json``; :func:`nhil.sweep.write_aggregate`) after every row, printing progress.
+
+What cannot end normally still ends as a row, never as a lost sweep:
+
+* the task's worker or node dies (killed, out of memory, node lost): CRASH naming the
+  node and Ray's error, with the row's reproducer and its last stage if its run folder
+  is readable;
+* the row runs past ``timeout_s`` plus a grace period (a hung worker; ``run_one`` already
+  turns a hung ``nhil verify`` into TIMEOUT): the task is cancelled, TIMEOUT;
+* no live node offers what the row needs (no ``rtl`` host, its board's node lost) for
+  ``infeasible_s``: the task is cancelled, INCOMPLETE naming the missing resource and the
+  ``ray start`` flag that offers it.
+
+Goldens go between workers by content through a small index actor on the driver's node
+(:mod:`nhil.cluster.golden_share`). ``address="auto"`` starts a local Ray instance
+(``ray.init(address="local")``) offering ``rtl`` when Verilator and cocotb are installed
+and the boards of the boards file that name no other node, and stops it at the end; any
+other address connects to a running cluster (``ray start --head`` ...) and leaves it up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from nhil.errors import SetupError
+from nhil.sweep import _append, _iso, _now, _point_latest, git_commit, pending_row, read_log, reproducer, row_id, write_aggregate
+
+INSTALL_HINT = "pip install -e '.[cluster]' (make venv installs it)"
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise SetupError(f"`nhil sweep --ray` needs Ray: {INSTALL_HINT}") from None
+    return ray
+
+
+def local_resources() -> dict:
+    """Custom resources a local (``--ray auto``) node offers: ``rtl`` (one per CPU) when
+    the RTL toolchain is installed, and ``fpga_board:<name>`` for each board of the boards
+    file whose ``node`` is unset or this host."""
+    res: dict[str, float] = {}
+    try:
+        import cocotb  # noqa: F401
+
+        from nhil.targets.rtl.build import _verilator_root
+
+        if _verilator_root() is not None:
+            res["rtl"] = float(os.cpu_count() or 1)
+    except ImportError:
+        pass
+    try:
+        from nhil.boards import load_boards
+
+        for b in load_boards().values():
+            if b.node in (None, "", "local", socket.gethostname()):
+                res[f"fpga_board:{b.name}"] = 1.0
+    except (ImportError, SetupError):
+        pass
+    return res
+
+
+def _make_index_actor(ray):
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class GoldenIndex:
+        """Golden name -> sha256, sha256 -> bytes (verified on arrival), and row start records."""
+
+        def __init__(self):
+            self.names: dict[str, str] = {}
+            self.blobs: dict[str, bytes] = {}
+            self.starts: dict[str, dict] = {}
+
+        def publish(self, name: str, sha: str, data: bytes) -> bool:
+            import hashlib
+
+            if hashlib.sha256(data).hexdigest() != sha or name in self.names:
+                return False
+            self.names[name] = sha
+            self.blobs[sha] = data
+            return True
+
+        def lookup(self, prefix: str) -> dict:
+            return {n: s for n, s in self.names.items() if n.startswith(prefix)}
+
+        def fetch(self, sha: str) -> bytes:
+            return self.blobs[sha]
+
+        def started(self, rid: str, node: dict) -> None:
+            self.starts[rid] = node
+
+        def start_records(self) -> dict:
+            return dict(self.starts)
+
+    return GoldenIndex
+
+
+def _row_task(row: dict, run_seed: int, out_dir: str, timeout_s: float, root: str, index) -> dict:
+    """Body of one row's Ray task (runs on the worker node)."""
+    import re
+
+    import ray
+
+    from nhil.cluster.golden_share import golden_of, install
+    from nhil.errors import GoldenError
+    from nhil.sweep import run_one
+
+    ctx = ray.get_runtime_context()
+    node = {"id": ctx.get_node_id(), "host": socket.gethostname(), "pid": os.getpid()}
+    rid = row_id(row)
+    ray.get(index.started.remote(rid, dict(node, t=time.time())))
+    here = Path(os.environ.get("NHIL_ROOT") or root)
+    notes = []
+    prefix = (re.sub(r"[^A-Za-z0-9._-]", "_", row["model"]) or "model") + "-"
+    for name, sha in ray.get(index.lookup.remote(prefix)).items():
+        try:
+            if install(here / "goldens", name, sha, ray.get(index.fetch.remote(sha))):
+                notes.append(f"installed shared golden {name}")
+        except GoldenError as e:
+            notes.append(str(e))
+    rep = run_one(row, run_seed, Path(out_dir), timeout_s, cwd=here)
+    rep["node"] = node
+    if notes:
+        rep["golden_share"] = notes
+    g = golden_of(rep)
+    if g is not None:
+        ray.get(index.publish.remote(*g))
+    return rep
+
+
+def _lost_row(row: dict, run_seed: int, out: Path, outcome: str, why: str, node: dict | None) -> dict:
+    """The record of a row that did not end normally (see the module docstring)."""
+    rep = pending_row(row, run_seed)
+    rep.update(outcome=outcome, error=why, node=node, reproducer=reproducer(row, run_seed))
+    reports = sorted((out / row_id(row)).glob("*/report.json"))
+    if reports:
+        try:
+            last = json.loads(reports[-1].read_text())
+            rep.update(stage=last.get("stage"), run_dir=last.get("run_dir"))
+            rep["error"] += f" (last stage reached: {last.get('stage')})"
+        except (OSError, ValueError):
+            pass
+    from nhil.expectations import apply_expectation
+
+    apply_expectation(rep)
+    return rep
+
+
+def _node_table(ray) -> list[dict]:
+    return [{"id": n["NodeID"], "host": n.get("NodeManagerHostname"), "alive": bool(n.get("Alive")),
+             "resources": {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:") and k != "object_store_memory"}}
+            for n in ray.nodes()]
+
+
+def ray_sweep(rows: list[dict], run_seed: int = 0, out_root: Path = Path("runs/sweeps"), timeout_s: float = 3600, address: str = "auto",
+              local_cpus: int | None = None, infeasible_s: float = 30.0, grace_s: float = 120.0, poll_s: float = 1.0,
+              log=sys.stderr) -> tuple[Path, list[dict]]:
+    """Run ``rows`` as Ray tasks; returns the sweep folder and the final row records.
+
+    Args:
+        rows: manifest rows (:mod:`nhil.expectations`).
+        run_seed: combined with each row's id (:func:`nhil.sweep.row_seed`).
+        out_root: the folder gets ``<UTC stamp>-ray/`` and ``latest`` points at it.
+        timeout_s: per row, as in the local sweep.
+        address: ``"auto"`` (start and stop a local Ray instance) or a cluster address
+            (``host:6379``, ``ray://host:10001``).
+        local_cpus: CPUs of the ``auto`` instance (default: all).
+        infeasible_s: seconds a queued row may wait with no live node offering its
+            resources before it is INCOMPLETE.
+        grace_s: seconds past ``timeout_s`` (after the row started) before its task is
+            cancelled as TIMEOUT.
+        poll_s: seconds between checks of queued/running rows.
+
+    Raises:
+        SetupError: Ray is not installed, or the cluster cannot be reached (names the
+            address and how to start one).
+    """
+    ray = _import_ray()
+    from nhil.cluster.resources import missing_resources, row_resources
+
+    started_here = address == "auto"
+    try:
+        if started_here:
+            ray.init(address="local", num_cpus=local_cpus, resources=local_resources(), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise SetupError(f"cannot reach the Ray cluster at {address!r} ({type(e).__name__}: {str(e)[:300]}); start one with "
+                         f"`ray start --head --num-cpus N` and pass its address, or use --ray auto for a local one") from None
+    try:
+        return _drive(ray, rows, run_seed, Path(out_root), timeout_s, address, infeasible_s, grace_s, poll_s, log, missing_resources, row_resources)
+    finally:
+        ray.shutdown()  # disconnects; stops the instance only when ray.init started it (auto)
+
+
+def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grace_s, poll_s, log, missing_resources, row_resources):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    out = (out_root / f"{_now().strftime('%Y%m%dT%H%M%S')}-ray").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    _point_latest(out)
+    t0 = time.time()
+    nodes = _node_table(ray)
+    meta = {"kind": "ray", "address": address, "started": _iso(t0), "started_epoch": t0, "workers": int(sum(n["resources"].get("CPU", 0) for n in nodes if n["alive"])),
+            "nodes": nodes, "rows_total": len(rows), "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0, "git_commit": git_commit()}
+    log_path = out / "results.jsonl"
+    index = _make_index_actor(ray).options(scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    task = ray.remote(_row_task)
+    root = str(Path.cwd())
+    pending: dict = {}  # ObjectRef -> [row, request, since-infeasible or None]
+    results: dict[str, dict] = {}
+
+    def record(rep: dict) -> None:
+        _append(log_path, rep)
+        if rep.get("outcome") != "INCOMPLETE" or rep.get("final"):
+            results[row_id(rep)] = rep
+        t1 = time.time()
+        meta.update(rows_done=len(results), finished=_iso(t1), wall_s=round(t1 - t0, 2), nodes=_node_table(ray))
+        write_aggregate(out, read_log(out), meta, title="nhil sweep (ray)")
+
+    for row in rows:
+        req = row_resources(row)
+        record(dict(pending_row(row, run_seed), error="queued on the Ray cluster, not started yet", node=None))
+        ref = task.options(num_cpus=req["num_cpus"], memory=req["memory"], resources=req["resources"], max_retries=0, retry_exceptions=False,
+                           name=row_id(row)).remote(dict(row), run_seed, str(out), timeout_s, root, index)
+        pending[ref] = [row, req, None]
+    print(f"[ray] {len(rows)} rows submitted to {address} ({meta['workers']} CPUs on {sum(n['alive'] for n in nodes)} nodes); folder {out}", file=log, flush=True)
+
+    seen_start: dict[str, dict] = {}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
+        for ref in ready:
+            row, _, _ = pending.pop(ref)
+            node = seen_start.get(row_id(row))
+            try:
+                rep = ray.get(ref)
+            except ray.exceptions.TaskCancelledError:
+                continue  # recorded when it was cancelled
+            except ray.exceptions.RayError as e:
+                where = f"node {node['id'][:12]} ({node['host']})" if node else "its node"
+                rep = _lost_row(row, run_seed, out, "CRASH", f"the row's Ray task died on {where}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", node)
+            record(rep)
+            print(f"[ray] {len(results)}/{len(rows)} {row_id(row)} -> {rep['outcome']} ({rep.get('wall_s', '?')} s on {(rep.get('node') or {}).get('host', '?')}); "
+                  f"{len(pending)} left", file=log, flush=True)
+        if not pending:
+            break
+        starts = ray.get(index.start_records.remote())
+        for rid, node in starts.items():
+            if rid not in seen_start:
+                seen_start[rid] = node
+                for row, _, _ in pending.values():
+                    if row_id(row) == rid:
+                        record(dict(pending_row(row, run_seed), error=f"running on node {node['id'][:12]} ({node['host']}) since {_iso(node['t'])}", node=node))
+        live = ray.nodes()
+        now = time.time()
+        for ref, entry in list(pending.items()):
+            row, req, since = entry
+            rid = row_id(row)
+            if rid in seen_start:
+                if now - seen_start[rid]["t"] > timeout_s + grace_s:
+                    ray.cancel(ref, force=True)
+                    pending.pop(ref)
+                    record(_lost_row(row, run_seed, out, "TIMEOUT", f"no result {timeout_s + grace_s:.0f} s after the row started; its Ray task was cancelled", seen_start[rid]))
+                continue
+            miss = missing_resources(live, req)
+            if not miss:
+                entry[2] = None
+                continue
+            if since is None:
+                entry[2] = now
+            elif now - since > infeasible_s:
+                ray.cancel(ref, force=True)
+                pending.pop(ref)
+                flag = f"--resources '{{\"{miss}\": 1}}'" if ":" in miss or miss == "rtl" else f"--num-cpus/--memory large enough for {miss}"
+                record(_lost_row(row, run_seed, out, "INCOMPLETE", f"not run: no live node of the Ray cluster offers {miss} (waited {infeasible_s:.0f} s); "
+                                 f"start one with `ray start --address <head> {flag}` and rerun", None) | {"final": True})
+                print(f"[ray] {row_id(row)} -> INCOMPLETE (no live node offers {miss})", file=log, flush=True)
+    return out, [results[row_id(r)] for r in rows if row_id(r) in results]
