@@ -201,7 +201,8 @@ def ray_sweep(rows: list[dict], run_seed: int = 0, out_root: Path = Path("runs/s
             ray.init(address=address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise SetupError(f"cannot reach the Ray cluster at {address!r} ({type(e).__name__}: {str(e)[:300]}); start one with "
-                         f"`ray start --head --num-cpus N` and pass its address, or use --ray auto for a local one") from None
+                         f"`ray start --head --num-cpus N` and pass its address, or use --ray auto for a local one; a cluster with token authentication "
+                         f"(Ray's default) needs RAY_AUTH_MODE=token and its token (~/.ray/auth_token or RAY_AUTH_TOKEN) on every node and here") from None
     try:
         return _drive(ray, rows, run_seed, Path(out_root), timeout_s, address, infeasible_s, grace_s, poll_s, log, missing_resources, row_resources)
     finally:
