@@ -355,10 +355,20 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
             for row in prov(r):
                 t.add_row("", *row)
     if matrix is not None:
-        m = bench_matrix(**matrix)
-        t.add_row("nightly-matrix", "", "", "", "")
-        _matrix_table_rows(t, m)
-        rows.append({"model": "nightly-matrix", "matrix": m})
+        matrix = dict(matrix)
+        engine = matrix.pop("engine", "xdist")  # xdist | ray | both (nhil/cluster/bench.py)
+        if engine in ("xdist", "both"):
+            m = bench_matrix(**matrix)
+            t.add_row("nightly-matrix", "", "", "", "")
+            _matrix_table_rows(t, m)
+            rows.append({"model": "nightly-matrix", "matrix": m})
+        if engine in ("ray", "both"):
+            from nhil.cluster.bench import ray_matrix_bench
+
+            rm = ray_matrix_bench(matrix.get("workers", (1, 2)), matrix.get("rows", "default"), matrix.get("sweep_root"))
+            t.add_row("ray-matrix", "", "", "", "")
+            _matrix_table_rows(t, rm)
+            rows.append({"model": "ray-matrix", "matrix": rm})
     Console(width=160).print(t)
     if ab or study:
         Console(width=180).print(_ablation_table(ab, study))

@@ -316,12 +316,13 @@ def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: i
           ablation: str = typer.Option("smollm2-135m,llama3-8b", "--ablation", help="shape-only configs for the scheduling-pass ablation (llama3-8b adds the device-parameter study)"),
           matrix: bool = typer.Option(False, "--matrix", help="also time the nightly matrix with 1 and 2 pytest-xdist workers (minutes)"),
           matrix_rows: str = typer.Option("default", "--matrix-rows", help="NHIL_MATRIX_ROWS: default (non-nightly rows), all, or row ids"),
-          matrix_workers: str = typer.Option("1,2", "--matrix-workers", help="worker counts to time, in order")) -> None:
+          matrix_workers: str = typer.Option("1,2", "--matrix-workers", help="worker counts to time, in order"),
+          matrix_engine: str = typer.Option("xdist", "--matrix-engine", help="xdist (pytest-xdist, as make nightly), ray (local Ray instance per count) or both")) -> None:
     """Benchmark table: wall time vs export/eager, modelled tokens/s and bandwidth vs peak and rooflines, pass ablation."""
     try:
         from nhil.bench import run_bench
 
-        mx = {"rows": matrix_rows, "workers": tuple(int(w) for w in matrix_workers.split(",") if w.strip())} if matrix else None
+        mx = {"rows": matrix_rows, "workers": tuple(int(w) for w in matrix_workers.split(",") if w.strip()), "engine": matrix_engine} if matrix else None
         run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()],
                   ablation=[c.strip() for c in ablation.split(",") if c.strip()], matrix=mx)
     except NhilError as e:
