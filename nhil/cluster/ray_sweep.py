@@ -146,6 +146,8 @@ def _lost_row(row: dict, run_seed: int, out: Path, outcome: str, why: str, node:
     """The record of a row that did not end normally (see the module docstring)."""
     rep = pending_row(row, run_seed)
     rep.update(outcome=outcome, error=why, node=node, reproducer=reproducer(row, run_seed))
+    if node and node.get("t"):
+        rep["wall_s"] = round(time.time() - node["t"], 2)  # from the row's start to its loss
     reports = sorted((out / row_id(row)).glob("*/report.json"))
     if reports:
         try:
