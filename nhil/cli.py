@@ -186,6 +186,7 @@ def sweep_cmd(
     seed: int = typer.Option(0, help="run seed (combined with each row's id)"),
     timeout: float = typer.Option(3600, help="seconds per row before it is TIMEOUT"),
     update_manifest: bool = typer.Option(False, "--update-manifest", help="record this sweep's outcomes as the new expectations"),
+    row_ids: Optional[str] = typer.Option(None, "--rows", help="comma-separated row ids (model-target-quant[-variant], as in the checklist); with --nightly any row"),
     ray: Optional[str] = typer.Option(None, "--ray", help="run the rows as Ray tasks: auto (start a local Ray instance, stop it at the end) or a cluster ADDRESS"),
     ray_cpus: Optional[int] = typer.Option(None, "--ray-cpus", help="with --ray auto: CPUs of the local instance (default: all)"),
 ) -> None:
@@ -201,6 +202,15 @@ def sweep_cmd(
             if opt:
                 allowed = {x.strip() for x in opt.split(",")}
                 rows = [r for r in rows if r[key] in allowed]
+        if row_ids:
+            from nhil.sweep import select_rows
+
+            try:
+                rows = select_rows(rows, row_ids)
+            except ValueError as e:
+                from nhil.errors import SetupError
+
+                raise SetupError(f"--rows: {e}") from None
         if models_ and targets_:
             have = {(r["model"], r["target"], r["quant"]) for r in rows}
             for m in models_.split(","):

@@ -11,8 +11,14 @@ time and worker count) are rewritten atomically after every row.
 ``nhil sweep`` runs rows one after another (:func:`sweep`); ``make nightly`` runs them
 as pytest-xdist cases (``tests/test_matrix.py``) that share one folder
 (:func:`shared_sweep_dir`) and log each row under a file lock (:func:`record_row`).
-Both write to ``runs/sweeps/<stamp>[-nightly-<id>]/`` and point ``runs/sweeps/latest`` at
-it, which ``nhil checklist`` reads.
+``nhil sweep --ray auto|ADDRESS`` (``make nightly RAY=...``) runs them as Ray tasks
+(:mod:`nhil.cluster.ray_sweep`) into ``<stamp>-ray/``. All write to
+``runs/sweeps/<stamp>[-nightly-<id>|-ray]/`` and point ``runs/sweeps/latest`` at it; the
+staged checklist (:mod:`nhil.report.checklist`) reads every folder's ``results.jsonl``.
+
+A manifest row with ``faults`` or ``board`` is its own variant (:func:`row_id`,
+:func:`nhil.expectations.row_variant`); its ``nhil verify`` gets them as ``FPGA_FAULTS`` /
+``FPGA_BOARD`` (:func:`row_env`), and a plain row never inherits the caller's.
 
 Seeds: a row's seed is ``crc32("model/target/quant") XOR run_seed`` (masked to 31 bits)
 so each combination is reproducible on its own and the run seed varies all of them.
@@ -69,6 +75,25 @@ def row_env(row: dict) -> dict:
     return env
 
 
+def select_rows(rows: list[dict], spec: str) -> list[dict]:
+    """``default`` (rows without ``nightly: true``), ``all``, or comma-separated row ids
+    (:func:`nhil.sweep.row_id`), like ``NHIL_MATRIX_ROWS``.
+
+    Raises:
+        ValueError: an id names no manifest row (lists the known ones).
+    """
+    if spec == "all":
+        return rows
+    if spec == "default":
+        return [r for r in rows if not r.get("nightly")]
+    want = [s.strip() for s in spec.split(",") if s.strip()]
+    known = {row_id(r): r for r in rows}
+    bad = [w for w in want if w not in known]
+    if bad:
+        raise ValueError(f"unknown row id(s) {', '.join(bad)}; known: {', '.join(known)}")
+    return [known[w] for w in want]
+
+
 def pending_row(row: dict, run_seed: int) -> dict:
     """The INCOMPLETE record a shared sweep logs when a row starts (replaced when it ends)."""
     quant = row.get("quant", "bf16")
@@ -77,10 +102,24 @@ def pending_row(row: dict, run_seed: int) -> dict:
             "error": f"row started {_now().isoformat(timespec='seconds')} (pid {os.getpid()}) and has not finished: still running, or its worker died"}
 
 
-def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable, cwd: Path | None = None) -> dict:
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this (child) process when its parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable, cwd: Path | None = None,
+            kill_with_parent: bool = False) -> dict:
     """Run one combination in a subprocess; return its final report dict (never raises for run failures).
 
     ``cwd``: the checkout the subprocess runs in (its ``goldens/``; default: this process's).
+    ``kill_with_parent``: the verify process dies with this one (a Ray worker killed with
+    its node must not leave its row running as an orphan).
     A row's ``faults`` / ``board`` reach verify as ``FPGA_FAULTS`` / ``FPGA_BOARD``."""
     model, target, quant = row["model"], row["target"], row.get("quant", "bf16")
     seed = row_seed(model, target, quant, run_seed)
@@ -99,7 +138,7 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
         for var, key in (("FPGA_FAULTS", "faults"), ("FPGA_BOARD", "board")):
             if not row.get(key):
                 env.pop(var, None)  # a plain row never inherits the caller's faults or board
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd, preexec_fn=_die_with_parent if kill_with_parent else None)
         tail = (proc.stderr or "")[-2000:]
     except subprocess.TimeoutExpired as e:
         timed_out = True

@@ -63,9 +63,9 @@ def test_stale_gate_names_the_old_commit_and_the_command(cut):
     st = {r["row_id"]: r for r in real["requirements"]}
     assert st["llama-sim-bf16"]["status"] == "passed"
     assert st["llama-sim-int8"]["status"] == "stale" and f"ran on {old}, older than the commit under test" in st["llama-sim-int8"]["detail"]
-    assert real["command"] == "nhil sweep --nightly --models llama --targets sim --quants bf16,int8"
+    assert real["command"] == "nhil sweep --nightly --rows llama-sim-int8"  # only the row that lacks fresh evidence
     md = render_markdown(data)
-    assert "## 4. Real model per quant recipe on each target: STALE" in md and "Run `nhil sweep --nightly --models llama --targets sim --quants bf16,int8`" in md
+    assert "## 4. Real model per quant recipe on each target: STALE" in md and "Run `nhil sweep --nightly --rows llama-sim-int8`" in md
     # unknown commit is stale too, never a pass
     rows[row_id(MANIFEST[3])]["git_commit"] = None
     assert _gate(build_checklist(MANIFEST, rows=rows, tests={}, cut=cut), "real")["status"] == "stale"
@@ -76,10 +76,10 @@ def test_missing_gate_says_so_and_names_the_command(cut):
     soak = _gate(data, "soak")
     assert soak["status"] == "missing" and soak["requirements"][0]["detail"] == "no sweep has run this row"
     assert soak["requirements"][0]["row_id"] == "llama-tiny-fpga-bf16-faults=byte_flip=0.01_seed=1"
-    assert soak["command"] == "nhil sweep --nightly --models llama-tiny --targets fpga"
+    assert soak["command"] == "nhil sweep --nightly --rows llama-tiny-fpga-bf16-faults=byte_flip=0.01_seed=1"
     assert _gate(data, "unit")["status"] == "missing" and _gate(data, "unit")["command"] == "nhil evidence"
     html = render_html(data)
-    assert 'id="status-soak">missing<' in html and "nhil sweep --nightly --models llama-tiny --targets fpga" in html
+    assert 'id="status-soak">missing<' in html and "nhil sweep --nightly --rows llama-tiny-fpga-bf16-faults=byte_flip=0.01_seed=1" in html
 
 
 def test_unit_gate_needs_a_passing_case_per_format(cut):

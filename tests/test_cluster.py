@@ -196,3 +196,27 @@ def test_two_node_ray_cluster_sweep_matches_local_and_survives_a_lost_node(tmp_p
             except ProcessLookupError:
                 pass
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_ray_auto_starts_a_local_instance_gives_the_local_outcome_and_stops_it(tmp_path, monkeypatch):
+    """``--ray auto`` on a row that fails fast: same record as the local sweep, and no Ray
+    left running or connected afterwards."""
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[cluster]')")
+    from nhil.cluster.ray_sweep import ray_sweep
+    from nhil.sweep import run_one
+
+    monkeypatch.chdir(REPO)
+    row = {"model": "no-such-model", "target": "sim", "quant": "bf16", "tokens": 2, "expect": "PASS"}
+    other = dict(row, model="no-such-model-2")
+    out, (rep, rep2) = ray_sweep([row, other], run_seed=2, out_root=tmp_path / "ray", address="auto", local_cpus=1, log=sys.stderr)
+    local = run_one(row, 2, tmp_path / "local")
+    assert rep["outcome"] == local["outcome"] == "LOAD_FAIL" and "unknown model 'no-such-model'" in rep["error"]
+    assert (rep["seed"], rep["reproducer"]) == (local["seed"], local["reproducer"])
+    assert rep["node"]["host"] == socket.gethostname()
+    assert not ray.is_initialized()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kind"] == "ray" and summary["address"] == "auto" and summary["workers"] == 1 and summary["outcomes"] == {"LOAD_FAIL": 2}
+    # one CPU: the second row starts only after the first one's verify has ended (no CPU lent while a task waits)
+    first, second = sorted([rep, rep2], key=lambda r: r["node"]["t"])
+    assert second["node"]["t"] >= first["node"]["t"] + first["wall_s"] - 0.5

@@ -14,27 +14,6 @@ import time
 from pathlib import Path
 
 
-def select_rows(rows: list[dict], spec: str) -> list[dict]:
-    """``default`` (rows without ``nightly: true``), ``all``, or comma-separated row ids
-    (:func:`nhil.sweep.row_id`), like ``NHIL_MATRIX_ROWS``.
-
-    Raises:
-        ValueError: an id names no manifest row (lists the known ones).
-    """
-    from nhil.sweep import row_id
-
-    if spec == "all":
-        return rows
-    if spec == "default":
-        return [r for r in rows if not r.get("nightly")]
-    want = [s.strip() for s in spec.split(",") if s.strip()]
-    known = {row_id(r): r for r in rows}
-    bad = [w for w in want if w not in known]
-    if bad:
-        raise ValueError(f"unknown row id(s) {', '.join(bad)}; known: {', '.join(known)}")
-    return [known[w] for w in want]
-
-
 def ray_matrix_bench(workers: tuple[int, ...] = (1, 2), rows: str = "default", sweep_root: Path | None = None, timeout_s: float = 3600) -> dict:
     """Wall time of the selected manifest rows as a Ray sweep per worker count.
 
@@ -51,6 +30,7 @@ def ray_matrix_bench(workers: tuple[int, ...] = (1, 2), rows: str = "default", s
 
     from nhil import expectations
     from nhil.cluster.ray_sweep import ray_sweep
+    from nhil.sweep import select_rows
 
     chosen = select_rows(expectations.load(), rows)
     root = Path(sweep_root or os.environ.get("NHIL_SWEEP_ROOT", "runs/sweeps"))

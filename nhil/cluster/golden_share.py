@@ -2,14 +2,14 @@
 
 A row's ``nhil verify`` reads or creates its golden in the worker's ``goldens/`` (one
 ``MANIFEST.json`` with each file's sha256, :mod:`nhil.golden.store`). Workers on other
-machines do not see that folder, so the driver keeps an index *name -> (sha256, object
-ref of the file's bytes)* in Ray's object store: after a row, the task hands back the golden
-it used (name, sha256, bytes) when the index lacks it; before a row, the task installs each
-indexed golden of its model that its node lacks. Install verifies the sha256 of the bytes
-it got against the index before writing (temp file + rename, under the store's lock) and
-records it in the node's manifest, so ``load_golden`` verifies it again on read; bytes that
-do not match are refused (:class:`~nhil.errors.GoldenError`), never written. On one machine
-(or a shared file system) the file is already there with the same sha256 and nothing moves.
+machines do not see the driver's folder, so the Ray sweep passes the driver's goldens of a
+row's model to its task as arguments (name -> sha256, bytes through Ray's object store) and
+a golden the worker made comes back with the row (name, sha256, bytes) to the driver's
+folder, for later sweeps on any node. :func:`install` verifies the sha256 of the bytes it
+got before writing (temp file + rename, under the store's lock) and records it in the
+folder's manifest, so ``load_golden`` verifies it again on read; bytes that do not match are
+refused (:class:`~nhil.errors.GoldenError`), never written. On one machine (or a shared
+file system) the file is already there with the same sha256 and nothing is rewritten.
 """
 
 from __future__ import annotations

@@ -20,8 +20,10 @@ What cannot end normally still ends as a row, never as a lost sweep:
   ``infeasible_s``: the task is cancelled, INCOMPLETE naming the missing resource and the
   ``ray start`` flag that offers it.
 
-Goldens go between workers by content through a small index actor on the driver's node
-(:mod:`nhil.cluster.golden_share`). ``address="auto"`` starts a local Ray instance
+Goldens go between workers by content (:mod:`nhil.cluster.golden_share`): the driver's
+goldens of the sweep's models go to each row's task as arguments and a golden a worker
+made comes back with its row. Tasks never block in ``ray.get`` (Ray would lend their CPU
+to another row). ``address="auto"`` starts a local Ray instance
 (``ray.init(address="local")``) offering ``rtl`` when Verilator and cocotb are installed
 and the boards of the boards file that name no other node, and stops it at the end; any
 other address connects to a running cluster (``ray start --head`` ...) and leaves it up.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -75,30 +78,13 @@ def local_resources() -> dict:
     return res
 
 
-def _make_index_actor(ray):
+def _make_start_actor(ray):
     @ray.remote(num_cpus=0, max_restarts=0)
-    class GoldenIndex:
-        """Golden name -> sha256, sha256 -> bytes (verified on arrival), and row start records."""
+    class RowStarts:
+        """Row id -> the node (id, host, pid, start time) its task started on."""
 
         def __init__(self):
-            self.names: dict[str, str] = {}
-            self.blobs: dict[str, bytes] = {}
             self.starts: dict[str, dict] = {}
-
-        def publish(self, name: str, sha: str, data: bytes) -> bool:
-            import hashlib
-
-            if hashlib.sha256(data).hexdigest() != sha or name in self.names:
-                return False
-            self.names[name] = sha
-            self.blobs[sha] = data
-            return True
-
-        def lookup(self, prefix: str) -> dict:
-            return {n: s for n, s in self.names.items() if n.startswith(prefix)}
-
-        def fetch(self, sha: str) -> bytes:
-            return self.blobs[sha]
 
         def started(self, rid: str, node: dict) -> None:
             self.starts[rid] = node
@@ -106,40 +92,64 @@ def _make_index_actor(ray):
         def start_records(self) -> dict:
             return dict(self.starts)
 
-    return GoldenIndex
+    return RowStarts
 
 
-def _row_task(row: dict, run_seed: int, out_dir: str, timeout_s: float, root: str, index) -> dict:
-    """Body of one row's Ray task (runs on the worker node)."""
-    import re
+def _row_task(row: dict, run_seed: int, out_dir: str, timeout_s: float, root: str, starts, shared: dict, *blobs: bytes) -> dict:
+    """Body of one row's Ray task (runs on the worker node).
 
+    Never blocks in ``ray.get``: Ray lends a blocked task's CPU to the next queued task, which
+    would run more rows at once than the node has CPUs. The start notice is fire-and-forget
+    and the shared goldens arrive as task arguments (``shared``: name -> sha256, in the order
+    of ``blobs``), which Ray fetches to the node before the task starts."""
     import ray
 
     from nhil.cluster.golden_share import golden_of, install
     from nhil.errors import GoldenError
     from nhil.sweep import run_one
 
-    ctx = ray.get_runtime_context()
-    node = {"id": ctx.get_node_id(), "host": socket.gethostname(), "pid": os.getpid()}
-    rid = row_id(row)
-    ray.get(index.started.remote(rid, dict(node, t=time.time())))
+    node = {"id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(), "pid": os.getpid(), "t": time.time()}
+    starts.started.remote(row_id(row), node)
     here = Path(os.environ.get("NHIL_ROOT") or root)
     notes = []
-    prefix = (re.sub(r"[^A-Za-z0-9._-]", "_", row["model"]) or "model") + "-"
-    for name, sha in ray.get(index.lookup.remote(prefix)).items():
+    for (name, sha), data in zip(shared.items(), blobs):
         try:
-            if install(here / "goldens", name, sha, ray.get(index.fetch.remote(sha))):
+            if install(here / "goldens", name, sha, data):
                 notes.append(f"installed shared golden {name}")
         except GoldenError as e:
             notes.append(str(e))
-    rep = run_one(row, run_seed, Path(out_dir), timeout_s, cwd=here)
+    rep = run_one(row, run_seed, Path(out_dir), timeout_s, cwd=here, kill_with_parent=True)
     rep["node"] = node
     if notes:
         rep["golden_share"] = notes
     g = golden_of(rep)
-    if g is not None:
-        ray.get(index.publish.remote(*g))
+    if g is not None and g[0] not in shared:
+        rep["_golden"] = g  # handed to the driver, which keeps it for later rows and sweeps
     return rep
+
+
+def _seed_goldens(ray, root: Path, rows: list[dict]) -> dict:
+    """Name -> (sha256, object ref of the bytes) of the driver's goldens of the sweep's models
+    whose bytes match the golden manifest (others are left out, not shared)."""
+    import hashlib
+    import re
+
+    from nhil.errors import GoldenError
+    from nhil.golden.store import read_manifest
+
+    try:
+        files = read_manifest(root / "goldens")
+    except GoldenError:
+        return {}
+    prefixes = tuple((re.sub(r"[^A-Za-z0-9._-]", "_", r["model"]) or "model") + "-" for r in rows)
+    out = {}
+    for name, entry in files.items():
+        p = root / "goldens" / name
+        if name.startswith(prefixes) and p.is_file():
+            data = p.read_bytes()
+            if hashlib.sha256(data).hexdigest() == entry.get("sha256"):
+                out[name] = (entry["sha256"], ray.put(data))
+    return out
 
 
 def _lost_row(row: dict, run_seed: int, out: Path, outcome: str, why: str, node: dict | None) -> dict:
@@ -160,6 +170,18 @@ def _lost_row(row: dict, run_seed: int, out: Path, outcome: str, why: str, node:
 
     apply_expectation(rep)
     return rep
+
+
+def _keep_golden(root: Path, golden: tuple, rep: dict) -> None:
+    """Install a golden a worker made into the driver's ``goldens/`` (sha256 verified), for
+    the next sweeps' rows on any node; a refusal is noted in the row, never fatal."""
+    from nhil.cluster.golden_share import install
+    from nhil.errors import GoldenError
+
+    try:
+        install(root / "goldens", *golden)
+    except GoldenError as e:
+        rep.setdefault("golden_share", []).append(str(e))
 
 
 def _node_table(ray) -> list[dict]:
@@ -222,9 +244,10 @@ def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grac
     meta = {"kind": "ray", "address": address, "started": _iso(t0), "started_epoch": t0, "workers": int(sum(n["resources"].get("CPU", 0) for n in nodes if n["alive"])),
             "nodes": nodes, "rows_total": len(rows), "rows_done": 0, "run_seed": run_seed, "wall_s": 0.0, "git_commit": git_commit()}
     log_path = out / "results.jsonl"
-    index = _make_index_actor(ray).options(scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    index = _make_start_actor(ray).options(scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)).remote()
     task = ray.remote(_row_task)
     root = str(Path.cwd())
+    goldens = _seed_goldens(ray, Path(root), rows)
     pending: dict = {}  # ObjectRef -> [row, request, since-infeasible or None]
     results: dict[str, dict] = {}
 
@@ -239,8 +262,10 @@ def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grac
     for row in rows:
         req = row_resources(row)
         record(dict(pending_row(row, run_seed), error="queued on the Ray cluster, not started yet", node=None))
+        prefix = (re.sub(r"[^A-Za-z0-9._-]", "_", row["model"]) or "model") + "-"
+        mine = {n: g for n, g in goldens.items() if n.startswith(prefix)}
         ref = task.options(num_cpus=req["num_cpus"], memory=req["memory"], resources=req["resources"], max_retries=0, retry_exceptions=False,
-                           name=row_id(row)).remote(dict(row), run_seed, str(out), timeout_s, root, index)
+                           name=row_id(row)).remote(dict(row), run_seed, str(out), timeout_s, root, index, {n: g[0] for n, g in mine.items()}, *(g[1] for g in mine.values()))
         pending[ref] = [row, req, None]
     print(f"[ray] {len(rows)} rows submitted to {address} ({meta['workers']} CPUs on {sum(n['alive'] for n in nodes)} nodes); folder {out}", file=log, flush=True)
 
@@ -257,6 +282,8 @@ def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grac
             except ray.exceptions.RayError as e:
                 where = f"node {node['id'][:12]} ({node['host']})" if node else "its node"
                 rep = _lost_row(row, run_seed, out, "CRASH", f"the row's Ray task died on {where}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", node)
+            if rep.get("_golden"):
+                _keep_golden(Path(root), rep.pop("_golden"), rep)
             record(rep)
             print(f"[ray] {len(results)}/{len(rows)} {row_id(row)} -> {rep['outcome']} ({rep.get('wall_s', '?')} s on {(rep.get('node') or {}).get('host', '?')}); "
                   f"{len(pending)} left", file=log, flush=True)

@@ -66,9 +66,9 @@ def evidence_node_ids() -> list[str]:
 GATES = [
     ("unit", "ISA and datapath unit tests, per format", "nhil evidence"),
     ("programs", "Single-instruction and single-layer programs on each target", "nhil evidence"),
-    ("tiny", "Tiny models per family on each target", "nhil sweep --models {models} --targets {targets}"),
-    ("real", "Real model per quant recipe on each target", "nhil sweep --nightly --models llama --targets {targets} --quants {quants}"),
-    ("soak", "Link soak under faults", "nhil sweep --nightly --models {models} --targets fpga"),
+    ("tiny", "Tiny models per family on each target", "nhil sweep --nightly --rows {rows}"),
+    ("real", "Real model per quant recipe on each target", "nhil sweep --nightly --rows {rows}"),
+    ("soak", "Link soak under faults", "nhil sweep --nightly --rows {rows}"),
 ]
 
 
@@ -182,7 +182,7 @@ def _format_names() -> list[str]:
 
 
 def _mentions(fmt: str):
-    pat = re.compile(r"(?<![A-Za-z0-9])" + re.escape(fmt.lower()) + r"(?![A-Za-z0-9])")
+    pat = re.compile(r"(?<![A-Za-z0-9-])" + re.escape(fmt.lower()) + r"(?![A-Za-z0-9-])")  # int4-g128 is not int4-g128-asym
 
     def match(nid: str) -> bool:
         file, _, rest = nid.partition("::")
@@ -230,8 +230,8 @@ def build_checklist(manifest: list[dict], rows: dict | None = None, tests: dict 
             reqs = [{"name": "no manifest row belongs to this gate", "status": "missing", "detail": "add rows to expectations.yaml", "evidence": None}]
         else:
             status = min((r["status"] for r in reqs), key=ORDER.__getitem__)
-        cmd = command.format(models=",".join(sorted({e["model"] for e in entries})) or "MODEL", targets=",".join(sorted({e["target"] for e in entries})) or "sim,rtl,fpga",
-                             quants=",".join(sorted({e.get("quant", "bf16") for e in entries})) or "bf16")
+        todo = [r["row_id"] for r in reqs if r.get("row_id") and r["status"] != "passed"] or [r["row_id"] for r in reqs if r.get("row_id")]
+        cmd = command.format(rows=",".join(todo) or "ROW_ID")  # only the rows that still lack passing evidence
         gates.append({"id": gid, "title": title, "status": status, "command": cmd, "requirements": reqs})
     return {"generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit_under_test": cut, "gates": gates}
 
