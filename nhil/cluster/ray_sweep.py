@@ -79,9 +79,10 @@ def local_resources() -> dict:
 
 
 def _make_start_actor(ray):
-    @ray.remote(num_cpus=0, max_restarts=0)
+    @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
     class RowStarts:
-        """Row id -> the node (id, host, pid, start time) its task started on."""
+        """Row id -> the node (id, host, pid, start time) its task started on (restarted
+        empty if killed, e.g. by Ray's memory monitor; the rows are unaffected)."""
 
         def __init__(self):
             self.starts: dict[str, dict] = {}
@@ -219,6 +220,8 @@ def ray_sweep(rows: list[dict], run_seed: int = 0, out_root: Path = Path("runs/s
     started_here = address == "auto"
     try:
         if started_here:
+            # a shared workstation: Ray's memory monitor would kill this sweep's workers when *other* processes fill the memory
+            os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
             ray.init(address="local", num_cpus=local_cpus, resources=local_resources(), include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         else:
@@ -270,6 +273,18 @@ def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grac
     print(f"[ray] {len(rows)} rows submitted to {address} ({meta['workers']} CPUs on {sum(n['alive'] for n in nodes)} nodes); folder {out}", file=log, flush=True)
 
     seen_start: dict[str, dict] = {}
+    try:
+        _poll(ray, pending, results, seen_start, rows, run_seed, out, timeout_s, grace_s, infeasible_s, poll_s, log, index, root, record, missing_resources)
+    except (ray.exceptions.RayError, ConnectionError, OSError) as e:  # the cluster itself went away: every row still out is CRASH, the folder stays
+        for row, _, _ in list(pending.values()):
+            record(_lost_row(row, run_seed, out, "CRASH", f"lost the Ray cluster at {address} while the row was queued or running: {type(e).__name__}: {str(e)[:200]}",
+                             seen_start.get(row_id(row))))
+        print(f"[ray] lost the Ray cluster ({type(e).__name__}); {len(pending)} row(s) recorded as CRASH", file=log, flush=True)
+    return out, [results[row_id(r)] for r in rows if row_id(r) in results]
+
+
+def _poll(ray, pending, results, seen_start, rows, run_seed, out, timeout_s, grace_s, infeasible_s, poll_s, log, index, root, record, missing_resources):
+    """Collect finished rows, note started ones, cancel hung or unplaceable ones (see the module docstring)."""
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=poll_s)
         for ref in ready:
@@ -289,14 +304,22 @@ def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grac
                   f"{len(pending)} left", file=log, flush=True)
         if not pending:
             break
-        starts = ray.get(index.start_records.remote())
+        try:
+            starts = ray.get(index.start_records.remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # the start book was lost: rows go on, their start notes may be missing
+            print(f"[ray] warning: row start records unavailable ({type(e).__name__}); rows go on", file=log, flush=True)
+            starts = {}
         for rid, node in starts.items():
             if rid not in seen_start:
                 seen_start[rid] = node
                 for row, _, _ in pending.values():
                     if row_id(row) == rid:
                         record(dict(pending_row(row, run_seed), error=f"running on node {node['id'][:12]} ({node['host']}) since {_iso(node['t'])}", node=node))
-        live = ray.nodes()
+        try:
+            live = ray.nodes()
+        except Exception as e:  # noqa: BLE001 - the GCS not answering for one poll is not a reason to lose the sweep
+            print(f"[ray] warning: cannot list the cluster's nodes ({type(e).__name__}: {e})", file=log, flush=True)
+            continue
         now = time.time()
         for ref, entry in list(pending.items()):
             row, req, since = entry
@@ -320,4 +343,3 @@ def _drive(ray, rows, run_seed, out_root, timeout_s, address, infeasible_s, grac
                 record(_lost_row(row, run_seed, out, "INCOMPLETE", f"not run: no live node of the Ray cluster offers {miss} (waited {infeasible_s:.0f} s); "
                                  f"start one with `ray start --address <head> {flag}` and rerun", None) | {"final": True})
                 print(f"[ray] {row_id(row)} -> INCOMPLETE (no live node offers {miss})", file=log, flush=True)
-    return out, [results[row_id(r)] for r in rows if row_id(r) in results]
