@@ -102,3 +102,18 @@ def test_probe_reports_capabilities_of_a_live_board_and_link_fail_for_a_silent_o
     finally:
         emu.terminate()
         emu.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.fpga
+def test_a_board_that_does_not_answer_is_link_fail_for_its_row(tmp_path, monkeypatch):
+    """A manifest row on a silent board ends LINK_FAIL naming the board's URL, with a
+    reproducer that names the board; nothing else is involved."""
+    from nhil.sweep import run_one
+
+    dead = _free_port()
+    p = _write(tmp_path, f"  - {{name: silent, url: 'socket://127.0.0.1:{dead}', device: fpga-small}}\n")
+    monkeypatch.setenv("NHIL_BOARDS", str(p))
+    r = run_one({"model": "llama-tiny", "target": "fpga", "quant": "bf16", "tokens": 2, "board": "silent"}, 0, tmp_path / "out", timeout_s=600)
+    assert r["outcome"] == "LINK_FAIL" and f"127.0.0.1:{dead}" in r["error"], (r["outcome"], r.get("error"))
+    assert r["reproducer"].endswith("FPGA_BOARD=silent") and r["variant"] == "board=silent"
