@@ -272,11 +272,12 @@ def _matrix_table_rows(t, m: dict) -> None:
     for r in m["runs"]:
         ratio = f"{r['wall_s'] / base['wall_s']:.2f}" if base.get("wall_s") else ""
         outs = ", ".join(f"{k} {v}" for k, v in (r.get("outcomes") or {}).items())
-        t.add_row("", f"nightly matrix ({m['rows']} rows), {r['workers']} worker(s)", f"{r['wall_s']:.1f} s", ratio,
-                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); pytest process {r['process_s']:.1f} s; "
+        name, proc = ("ray sweep", "driver process") if m.get("engine") == "ray" else ("nightly matrix", "pytest process")
+        t.add_row("", f"{name} ({m['rows']} rows), {r['workers']} worker(s)", f"{r['wall_s']:.1f} s", ratio,
+                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); {proc} {r['process_s']:.1f} s; "
                   f"load {r['loadavg_1m_before']:.1f} on {r['cpus']} CPUs")
     if "speedup" in m:
-        t.add_row("", "nightly matrix speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
+        t.add_row("", ("ray sweep" if m.get("engine") == "ray" else "nightly matrix") + " speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
 
 
 def _ablation_table(ab: list[dict], study: dict | None):

@@ -243,7 +243,7 @@ def checklist(output: Optional[Path] = typer.Option(None, "-o", help="write OUTP
         from nhil import expectations
 
         if rows:
-            from nhil.sweep import checklist_markdown, latest_results, latest_summary
+            from nhil.report.row_checklist import checklist_markdown, latest_results, latest_summary
 
             sys.stdout.write(checklist_markdown(expectations.load(), latest_results(), latest_summary()))
             return
