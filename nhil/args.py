@@ -148,7 +148,6 @@ def check_verify_args(opts) -> None:
         UsageError: the first bad argument, naming it, the allowed values and the fix.
     """
     from nhil.isa.device import DEVICE_PRESETS
-    from nhil.models.registry import list_models
     from nhil.targets.registry import target_names
 
     check_model(opts.model)

@@ -287,11 +287,12 @@ def _matrix_table_rows(t, m: dict) -> None:
     for r in m["runs"]:
         ratio = f"{r['wall_s'] / base['wall_s']:.2f}" if base.get("wall_s") else ""
         outs = ", ".join(f"{k} {v}" for k, v in (r.get("outcomes") or {}).items())
-        t.add_row("", f"nightly matrix ({m['rows']} rows), {r['workers']} worker(s)", f"{r['wall_s']:.1f} s", ratio,
-                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); pytest process {r['process_s']:.1f} s; "
+        name, proc = ("ray sweep", "driver process") if m.get("engine") == "ray" else ("nightly matrix", "pytest process")
+        t.add_row("", f"{name} ({m['rows']} rows), {r['workers']} worker(s)", f"{r['wall_s']:.1f} s", ratio,
+                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); {proc} {r['process_s']:.1f} s; "
                   f"load {r['loadavg_1m_before']:.1f} on {r['cpus']} CPUs")
     if "speedup" in m:
-        t.add_row("", "nightly matrix speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
+        t.add_row("", ("ray sweep" if m.get("engine") == "ray" else "nightly matrix") + " speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
 
 
 def _ablation_table(ab: list[dict], study: dict | None):
@@ -372,10 +373,20 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
             for row in prov(r):
                 t.add_row("", *row)
     if matrix is not None:
-        m = bench_matrix(**matrix)
-        t.add_row("nightly-matrix", "", "", "", "")
-        _matrix_table_rows(t, m)
-        rows.append({"model": "nightly-matrix", "matrix": m})
+        matrix = dict(matrix)
+        engine = matrix.pop("engine", "xdist")  # xdist | ray | both (nhil/cluster/bench.py)
+        if engine in ("xdist", "both"):
+            m = bench_matrix(**matrix)
+            t.add_row("nightly-matrix", "", "", "", "")
+            _matrix_table_rows(t, m)
+            rows.append({"model": "nightly-matrix", "matrix": m})
+        if engine in ("ray", "both"):
+            from nhil.cluster.bench import ray_matrix_bench
+
+            rm = ray_matrix_bench(matrix.get("workers", (1, 2)), matrix.get("rows", "default"), matrix.get("sweep_root"))
+            t.add_row("ray-matrix", "", "", "", "")
+            _matrix_table_rows(t, rm)
+            rows.append({"model": "ray-matrix", "matrix": rm})
     Console(width=160).print(t)
     if ab or study:
         Console(width=180).print(_ablation_table(ab, study))

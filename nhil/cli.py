@@ -129,11 +129,16 @@ def verify(
     runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
     quant: str = typer.Option("bf16", "--quant", "-q", help="weight quantization recipe: native|bf16|int8|int4-g128|fp8-e4m3|mxfp8|mxfp6|mxfp4|mxint8|nvfp4|q8_0|q4_0|q4_1 or a format name, with overrides like mxfp4:lm_head=bf16"),
     layers: Optional[int] = typer.Option(None, "--layers", help="with --model PATH: keep the first N decoder layers"),
+    board: Optional[str] = typer.Option(None, help="fpga target: a board of the boards file (boards.yaml / $NHIL_BOARDS; `nhil boards`), sets FPGA_BOARD"),
 ) -> None:
     """Compile, run on TARGET, compare with the golden; exit 0 only if every check passes."""
     from nhil.report.writer import print_summary
     from nhil.verify import VerifyOptions, verify as run_verify
 
+    if board:
+        import os
+
+        os.environ["FPGA_BOARD"] = board  # the fpga target and the reproducer read it
     opts = {}
     for kv in option:
         k, _, v = kv.partition("=")
@@ -225,6 +230,9 @@ def sweep_cmd(
     seed: int = typer.Option(0, help="run seed (combined with each row's id)"),
     timeout: float = typer.Option(3600, help="seconds per row before it is TIMEOUT"),
     update_manifest: bool = typer.Option(False, "--update-manifest", help="record this sweep's outcomes as the new expectations"),
+    row_ids: Optional[str] = typer.Option(None, "--rows", help="comma-separated row ids (model-target-quant[-variant], as in the checklist); with --nightly any row"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="run the rows as Ray tasks: auto (start a local Ray instance, stop it at the end) or a cluster ADDRESS"),
+    ray_cpus: Optional[int] = typer.Option(None, "--ray-cpus", help="with --ray auto: CPUs of the local instance (default: all)"),
 ) -> None:
     """Run models x targets x quants (rows of expectations.yaml, filtered); matrix + JUnit in runs/sweeps/<time>/."""
     try:
@@ -241,6 +249,15 @@ def sweep_cmd(
             if opt:
                 allowed = {x.strip() for x in opt.split(",")}
                 rows = [r for r in rows if r[key] in allowed]
+        if row_ids:
+            from nhil.sweep import select_rows
+
+            try:
+                rows = select_rows(rows, row_ids)
+            except ValueError as e:
+                from nhil.errors import SetupError
+
+                raise SetupError(f"--rows: {e}") from None
         if models_ and targets_:
             have = {(r["model"], r["target"], r["quant"]) for r in rows}
             for m in models_.split(","):
@@ -248,7 +265,12 @@ def sweep_cmd(
                     for q in (quants or "bf16").split(","):
                         if (m.strip(), t.strip(), q.strip()) not in have:
                             rows.append({"model": m.strip(), "target": t.strip(), "quant": q.strip(), "expect": "PASS"})
-        out, results = sweep(rows, seed, timeout_s=timeout)
+        if ray:
+            from nhil.cluster.ray_sweep import ray_sweep
+
+            out, results = ray_sweep(rows, seed, timeout_s=timeout, address=ray, local_cpus=ray_cpus)
+        else:
+            out, results = sweep(rows, seed, timeout_s=timeout)
         typer.echo((out / "matrix.md").read_text())
         typer.echo(f"report: {out / 'report.html'}")
         if update_manifest:
@@ -261,18 +283,69 @@ def sweep_cmd(
 
 
 @app.command()
-def checklist(output: Optional[Path] = typer.Option(None, "-o")) -> None:
-    """Render the silicon bring-up checklist from expectations.yaml and the latest sweep."""
-    from nhil import expectations
-    from nhil.sweep import checklist_markdown, latest_results, latest_summary
+def checklist(output: Optional[Path] = typer.Option(None, "-o", help="write OUTPUT.md, OUTPUT.html and OUTPUT.json (default: Markdown to stdout)"),
+              rows: bool = typer.Option(False, "--rows", help="the older per-row table of the latest sweep instead of the gates")) -> None:
+    """Render the staged bring-up checklist: gates in order, each passed only by evidence from this commit."""
+    try:
+        from nhil import expectations
 
-    text = checklist_markdown(expectations.load(), latest_results(), latest_summary())
-    if output:
-        from nhil.util import atomic_write_text
+        if rows:
+            from nhil.report.row_checklist import checklist_markdown, latest_results, latest_summary
 
-        atomic_write_text(output, text)
-    else:
-        sys.stdout.write(text)
+            sys.stdout.write(checklist_markdown(expectations.load(), latest_results(), latest_summary()))
+            return
+        from nhil.report.checklist import build_checklist, render_markdown, write_checklist
+
+        data = build_checklist(expectations.load())
+        if output:
+            for p in write_checklist(data, output):
+                typer.echo(f"wrote {p}")
+        else:
+            sys.stdout.write(render_markdown(data))
+    except NhilError as e:
+        _fail(e)
+
+
+@app.command()
+def evidence(output: Path = typer.Option(Path("runs/evidence/tests.json"), "-o")) -> None:
+    """Run the unit and single-program tests behind checklist gates 1-2 and record their outcomes with the commit."""
+    from nhil.report.checklist import run_evidence
+
+    ev = run_evidence(output)
+    bad = [n for n, c in ev["cases"].items() if c["outcome"] not in ("passed",)]
+    typer.echo(f"wrote {output}: {len(ev['cases'])} cases, {len(bad)} not passed, commit {ev['git_commit']}")
+
+
+@app.command("boards")
+def boards_cmd(probe: bool = typer.Option(True, "--probe/--no-probe", help="HELLO + INFO each board for its claimed capabilities"),
+               file: Optional[Path] = typer.Option(None, "--file", help="boards file (default: $NHIL_BOARDS or boards.yaml)"),
+               timeout: float = typer.Option(3.0, help="seconds per board for the HELLO handshake")) -> None:
+    """List the lab's FPGA boards (boards file) and probe each one; exit 1 if one does not answer."""
+    try:
+        from nhil.boards import boards_path, load_boards, probe as probe_board
+
+        boards = load_boards(file)
+        if not boards:
+            typer.echo(f"no boards: {file or boards_path()} does not exist or lists none (format: nhil/boards.py)")
+            return
+        dead = 0
+        for b in boards.values():
+            line = f"{b.name:16s} {b.url:32s} baud {b.baud:<8d} device {b.device:12s} node {b.node or '-'}"
+            if probe:
+                r = probe_board(b, open_timeout=timeout)
+                if r["ok"]:
+                    c = r["capabilities"]
+                    dev = c.get("device", {}) if isinstance(c.get("device"), dict) else {}
+                    line += (f"  OK ({r['seconds']} s): ISA v{c.get('isa_version')}, {len(c.get('ops', []))} ops, formats {','.join(sorted(c.get('formats', [])))}, "
+                             f"{dev.get('channels', '?')} ch x {dev.get('banks', dev.get('banks_per_channel', '?'))} banks" + (f"; WARNING {r['warning']}" if r.get("warning") else ""))
+                else:
+                    dead += 1
+                    line += f"  {r['outcome']}: {r['error']}"
+            typer.echo(line)
+        if dead:
+            raise typer.Exit(1)
+    except NhilError as e:
+        _fail(e)
 
 
 @app.command()
@@ -300,12 +373,13 @@ def bench(models_: str = typer.Option("llama-tiny,llama", "--models"), tokens: i
           ablation: str = typer.Option("smollm2-135m,llama3-8b", "--ablation", help="shape-only configs for the scheduling-pass ablation (llama3-8b adds the device-parameter study)"),
           matrix: bool = typer.Option(False, "--matrix", help="also time the nightly matrix with 1 and 2 pytest-xdist workers (minutes)"),
           matrix_rows: str = typer.Option("default", "--matrix-rows", help="NHIL_MATRIX_ROWS: default (non-nightly rows), all, or row ids"),
-          matrix_workers: str = typer.Option("1,2", "--matrix-workers", help="worker counts to time, in order")) -> None:
+          matrix_workers: str = typer.Option("1,2", "--matrix-workers", help="worker counts to time, in order"),
+          matrix_engine: str = typer.Option("xdist", "--matrix-engine", help="xdist (pytest-xdist, as make nightly), ray (local Ray instance per count) or both")) -> None:
     """Benchmark table: wall time vs export/eager, modelled tokens/s and bandwidth vs peak and rooflines, pass ablation."""
     try:
         from nhil.bench import run_bench
 
-        mx = {"rows": matrix_rows, "workers": tuple(int(w) for w in matrix_workers.split(",") if w.strip())} if matrix else None
+        mx = {"rows": matrix_rows, "workers": tuple(int(w) for w in matrix_workers.split(",") if w.strip()), "engine": matrix_engine} if matrix else None
         run_bench([m.strip() for m in models_.split(",") if m.strip()], tokens, output, gpu_gbs=gpu_gbs, configs=[c.strip() for c in configs.split(",") if c.strip()],
                   ablation=[c.strip() for c in ablation.split(",") if c.strip()], matrix=mx)
     except NhilError as e:

@@ -20,6 +20,12 @@ manifest: ``nhil sweep --update-manifest``). Entries without an expectation are 
 default. ``nightly: true`` rows run only in ``make nightly``. ``owner`` (optional) names
 who answers for the row in the bring-up checklist (``nhil checklist``).
 
+``faults`` (optional, fpga rows) is a link fault spec for the board emulator
+(``byte_flip=0.01,byte_drop=0.002,seed=1``; ``nhil/targets/fpga/faults.py``) and ``board``
+(optional) names a board of the boards file (``nhil/boards.py``): such a row is its own
+*variant* of model x target x quant (:func:`row_variant`), with its own expectation,
+so the fault runs are rows like the rest (``make verify ... FPGA_FAULTS=...`` finds it).
+
 ``tolerance`` overrides single thresholds of the row's tolerance profile
 (:mod:`nhil.golden.tolerances`): keys ``<kind>.<metric>`` (``logits.sqnr_db``,
 ``hidden.cosine``, ``run.top1_rate``, ...), each with the profile's bound (``min`` or
@@ -61,6 +67,15 @@ def load(path: Path = DEFAULT_PATH) -> list[dict]:
             raise SetupError(f"{path}: entry {i} needs at least model and target: {r!r}")
         r.setdefault("quant", "bf16")
         r.setdefault("expect", "PASS")
+        if r.get("faults"):
+            from nhil.targets.fpga.faults import FaultSpec
+
+            if r["target"] != "fpga":
+                raise SetupError(f"{path}: entry {i} ({r['model']}/{r['target']}): faults apply to the fpga target's link only; remove `faults` or set target: fpga")
+            try:
+                FaultSpec.parse(str(r["faults"]))
+            except SetupError as e:
+                raise SetupError(f"{path}: entry {i} ({r['model']}/{r['target']}): bad faults {r['faults']!r}: {e}") from None
         if "tolerance" in r:
             from nhil.golden.tolerances import validate_overrides
 
@@ -71,10 +86,31 @@ def load(path: Path = DEFAULT_PATH) -> list[dict]:
     return rows
 
 
-def lookup(model: str, target: str, quant: str = "bf16", path: Path = DEFAULT_PATH) -> dict | None:
-    """The manifest entry for this combination, or None."""
+def row_variant(row: dict) -> str:
+    """The variant of a manifest row or a report beyond model x target x quant: ``""`` for
+    a plain row, else ``faults=<spec>`` and/or ``board=<name>`` joined by ``;``."""
+    parts = []
+    if row.get("faults"):
+        parts.append(f"faults={row['faults']}")
+    if row.get("board"):
+        parts.append(f"board={row['board']}")
+    return ";".join(parts)
+
+
+def env_variant(target: str) -> str:
+    """The variant a plain ``nhil verify`` run has from its environment (``FPGA_FAULTS``,
+    ``FPGA_BOARD``; fpga target only), so ``make verify ... FPGA_FAULTS=...`` finds the fault row."""
+    if target != "fpga":
+        return ""
+    return row_variant({"faults": os.environ.get("FPGA_FAULTS", ""), "board": os.environ.get("FPGA_BOARD", "")})
+
+
+def lookup(model: str, target: str, quant: str = "bf16", path: Path = DEFAULT_PATH, variant: str | None = None) -> dict | None:
+    """The manifest entry for this combination (and ``variant``, :func:`row_variant`; None:
+    the one of the environment, :func:`env_variant`), or None."""
+    want = env_variant(target) if variant is None else variant
     for r in load(path):
-        if r["model"] == model and r["target"] == target and r["quant"] == quant:
+        if r["model"] == model and r["target"] == target and r["quant"] == quant and row_variant(r) == want:
             return r
     return None
 
@@ -101,7 +137,7 @@ def tolerance_overrides(model: str, target: str, quant: str = "bf16", path: Path
 def apply_expectation(report: dict, path: Path = DEFAULT_PATH) -> None:
     """Set ``report['expected']``/``['as_expected']``; turn an unexpected PASS into XPASS."""
     try:
-        e = lookup(report.get("model"), report.get("target"), quant_of(report), path)
+        e = lookup(report.get("model"), report.get("target"), quant_of(report), path, report.get("variant"))
     except SetupError as err:
         report["expectation_error"] = str(err)
         return
@@ -133,13 +169,14 @@ def update(results: list[dict], path: Path = DEFAULT_PATH) -> None:
             if not line.lstrip().startswith("#"):
                 break
             header += line
-    index = {(r["model"], r["target"], r["quant"]): r for r in rows}
+    index = {(r["model"], r["target"], r["quant"], row_variant(r)): r for r in rows}
     for res in results:
-        key = (res["model"], res["target"], quant_of(res))
+        key = (res["model"], res["target"], quant_of(res), res.get("variant") or "")
         out = res["outcome"] if res["outcome"] != "XPASS" else "PASS"
         if key in index:
             index[key]["expect"] = out
         else:
             index[key] = {"model": key[0], "target": key[1], "quant": key[2], "expect": out, "reason": "recorded by --update-manifest"}
+            index[key].update({k: res[k] for k in ("faults", "board") if res.get(k)})
             rows.append(index[key])
     atomic_write_text(path, header + yaml.safe_dump({"schema": 1, "expectations": rows}, sort_keys=False, width=1000))

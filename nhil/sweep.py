@@ -1,4 +1,4 @@
-"""Sweeps over models x targets x quant schemes (``nhil sweep``, ``make nightly``) and the bring-up checklist.
+"""Sweeps over models x targets x quant schemes (``nhil sweep``, ``make nightly``): rows, seeds, the aggregated folder.
 
 Each combination runs ``nhil verify`` in its own process with a timeout, so a crash or
 a hang costs one row, not the sweep: a run that exceeds the timeout is TIMEOUT, one that
@@ -11,8 +11,14 @@ time and worker count) are rewritten atomically after every row.
 ``nhil sweep`` runs rows one after another (:func:`sweep`); ``make nightly`` runs them
 as pytest-xdist cases (``tests/test_matrix.py``) that share one folder
 (:func:`shared_sweep_dir`) and log each row under a file lock (:func:`record_row`).
-Both write to ``runs/sweeps/<stamp>[-nightly-<id>]/`` and point ``runs/sweeps/latest`` at
-it, which ``nhil checklist`` reads.
+``nhil sweep --ray auto|ADDRESS`` (``make nightly RAY=...``) runs them as Ray tasks
+(:mod:`nhil.cluster.ray_sweep`) into ``<stamp>-ray/``. All write to
+``runs/sweeps/<stamp>[-nightly-<id>|-ray]/`` and point ``runs/sweeps/latest`` at it; the
+staged checklist (:mod:`nhil.report.checklist`) reads every folder's ``results.jsonl``.
+
+A manifest row with ``faults`` or ``board`` is its own variant (:func:`row_id`,
+:func:`nhil.expectations.row_variant`); its ``nhil verify`` gets them as ``FPGA_FAULTS`` /
+``FPGA_BOARD`` (:func:`row_env`), and a plain row never inherits the caller's.
 
 Seeds: a row's seed is ``crc32("model/target/quant") XOR run_seed`` (masked to 31 bits)
 so each combination is reproducible on its own and the run seed varies all of them.
@@ -29,7 +35,7 @@ import time
 import zlib
 from pathlib import Path
 
-from nhil.expectations import apply_expectation
+from nhil.expectations import apply_expectation, row_variant
 
 
 def row_seed(model: str, target: str, quant: str, run_seed: int) -> int:
@@ -44,25 +50,84 @@ def reproducer(row: dict, run_seed: int) -> str:
     cmd = f"make verify MODEL={model} TARGET={target} TOKENS={int(row.get('tokens', 16))} SEED={seed}"
     if row.get("device"):
         cmd += f" DEVICE={row['device']}"
-    return cmd + (f" QUANT={quant}" if quant != "bf16" else "")
+    cmd += f" QUANT={quant}" if quant != "bf16" else ""
+    for key, var in (("faults", "FPGA_FAULTS"), ("board", "FPGA_BOARD")):
+        if row.get(key):
+            cmd += f" {var}={row[key]}"
+    return cmd
+
+
+def row_id(row: dict) -> str:
+    """``model-target-quant`` plus the variant's key=value parts (faults, board) for variant rows."""
+    rid = f"{row['model']}-{row['target']}-{row.get('quant') or 'bf16'}"
+    v = row.get("variant") if "variant" in row else row_variant(row)
+    return rid + ("" if not v else "-" + "".join(c if c.isalnum() or c in "._=" else "_" for c in v))
+
+
+def row_env(row: dict) -> dict:
+    """Environment additions of a row's ``nhil verify``: ``FPGA_FAULTS`` and ``FPGA_BOARD``
+    from its ``faults`` / ``board`` fields (``nhil/expectations.py``)."""
+    env = {}
+    if row.get("faults"):
+        env["FPGA_FAULTS"] = str(row["faults"])
+    if row.get("board"):
+        env["FPGA_BOARD"] = str(row["board"])
+    return env
+
+
+def select_rows(rows: list[dict], spec: str) -> list[dict]:
+    """``default`` (rows without ``nightly: true``), ``all``, or comma-separated row ids
+    (:func:`nhil.sweep.row_id`), like ``NHIL_MATRIX_ROWS``.
+
+    Raises:
+        ValueError: an id names no manifest row (lists the known ones).
+    """
+    if spec == "all":
+        return rows
+    if spec == "default":
+        return [r for r in rows if not r.get("nightly")]
+    want = [s.strip() for s in spec.split(",") if s.strip()]
+    known = {row_id(r): r for r in rows}
+    bad = [w for w in want if w not in known]
+    if bad:
+        raise ValueError(f"unknown row id(s) {', '.join(bad)}; known: {', '.join(known)}")
+    return [known[w] for w in want]
 
 
 def pending_row(row: dict, run_seed: int) -> dict:
     """The INCOMPLETE record a shared sweep logs when a row starts (replaced when it ends)."""
     quant = row.get("quant", "bf16")
-    return {"model": row["model"], "target": row["target"], "quant": quant, "seed": row_seed(row["model"], row["target"], quant, run_seed),
+    return {"model": row["model"], "target": row["target"], "quant": quant, "variant": row_variant(row), "seed": row_seed(row["model"], row["target"], quant, run_seed),
             "outcome": "INCOMPLETE", "expected": row.get("expect", "PASS"), "as_expected": False, "reproducer": reproducer(row, run_seed),
             "error": f"row started {_now().isoformat(timespec='seconds')} (pid {os.getpid()}) and has not finished: still running, or its worker died"}
 
 
-def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable) -> dict:
-    """Run one combination in a subprocess; return its final report dict (never raises for run failures)."""
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this (child) process when its parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, python: str = sys.executable, cwd: Path | None = None,
+            kill_with_parent: bool = False) -> dict:
+    """Run one combination in a subprocess; return its final report dict (never raises for run failures).
+
+    ``cwd``: the checkout the subprocess runs in (its ``goldens/``; default: this process's).
+    ``kill_with_parent``: the verify process dies with this one (a Ray worker killed with
+    its node must not leave its row running as an orphan).
+    A row's ``faults`` / ``board`` reach verify as ``FPGA_FAULTS`` / ``FPGA_BOARD``."""
     model, target, quant = row["model"], row["target"], row.get("quant", "bf16")
     seed = row_seed(model, target, quant, run_seed)
     tokens = int(row.get("tokens", 16))
     from nhil.args import safe_component
 
-    runs_dir = Path(out_dir) / safe_component(f"{model}-{target}-{quant}", limit=160)  # a name is never a path
+    variant = row_variant(row)
+    runs_dir = Path(out_dir) / safe_component(row_id(dict(row, variant=variant)), limit=160)  # a name is never a path
     cmd = [python, "-m", "nhil.cli", "verify", "-m", model, "-t", target, "--tokens", str(tokens), "--seed", str(seed), "--runs-dir", str(runs_dir)]
     if quant != "bf16":
         cmd += ["--quant", quant]
@@ -71,7 +136,11 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     t0 = time.perf_counter()
     timed_out = False
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        env = dict(os.environ, **row_env(row))
+        for var, key in (("FPGA_FAULTS", "faults"), ("FPGA_BOARD", "board")):
+            if not row.get(key):
+                env.pop(var, None)  # a plain row never inherits the caller's faults or board
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd, preexec_fn=_die_with_parent if kill_with_parent else None)
         tail = (proc.stderr or "")[-2000:]
     except subprocess.TimeoutExpired as e:
         timed_out = True
@@ -91,6 +160,8 @@ def run_one(row: dict, run_seed: int, out_dir: Path, timeout_s: float = 3600, py
     rep.setdefault("model", model)
     rep.setdefault("target", target)
     rep["quant"] = quant
+    rep["variant"] = variant
+    rep.update({k: row[k] for k in ("faults", "board") if row.get(k)})
     rep["seed"] = seed
     rep.setdefault("reproducer", reproducer(row, run_seed))
     rep["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -129,7 +200,8 @@ def matrix_markdown(results: list[dict], meta: dict | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-LOG_FIELDS = ("model", "target", "quant", "seed", "outcome", "expected", "as_expected", "error", "reproducer", "wall_s", "run_dir", "stage")
+LOG_FIELDS = ("model", "target", "quant", "variant", "faults", "board", "seed", "outcome", "expected", "as_expected", "error", "reproducer", "wall_s", "run_dir", "stage",
+              "node", "git_commit", "finished")
 
 
 def _now() -> _dt.datetime:
@@ -154,7 +226,7 @@ def read_log(out: Path) -> list[dict]:
             r = json.loads(line)
         except json.JSONDecodeError:  # a half-written last line of a killed writer
             continue
-        rows[(r.get("model"), r.get("target"), r.get("quant") or "bf16")] = r
+        rows[(r.get("model"), r.get("target"), r.get("quant") or "bf16", r.get("variant") or "")] = r
     return list(rows.values())
 
 
@@ -172,13 +244,17 @@ def write_aggregate(out: Path, results: list[dict], meta: dict, title: str = "nh
     for r in results:
         counts[str(r.get("outcome"))] = counts.get(str(r.get("outcome")), 0) + 1
     summary = dict(meta, outcomes=counts, as_expected=sum(1 for r in results if r.get("as_expected")))
-    atomic_write_text(out / "matrix.md", matrix_markdown(results, meta))
-    write_junit(out / "junit.xml", results, suite="nhil-sweep")
-    write_sweep_html(out / "report.html", results, meta, title=title)
+    shown = [dict(r, quant=f"{r.get('quant') or 'bf16'} [{r['variant']}]") if r.get("variant") else r for r in results]  # a variant row gets its own cell
+    atomic_write_text(out / "matrix.md", matrix_markdown(shown, meta))
+    write_junit(out / "junit.xml", shown, suite="nhil-sweep")
+    write_sweep_html(out / "report.html", shown, meta, title=title)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 def _append(log_path: Path, rep: dict) -> None:
+    if rep.get("outcome") != "INCOMPLETE":
+        rep.setdefault("finished", _now().isoformat(timespec="seconds"))
+    rep.setdefault("git_commit", _GIT_COMMIT or git_commit())
     with open(log_path, "a") as log:
         log.write(json.dumps({k: rep.get(k) for k in LOG_FIELDS}, default=str) + "\n")
         log.flush()
@@ -275,82 +351,23 @@ def record_row(out: Path, rep: dict, title: str = "nhil nightly") -> dict:
         return meta
 
 
-CHECKLIST_STEPS = [
-    ("program", "Program compiles and round-trips (.pimb encode/decode, disasm/asm)", lambda r: any(c["name"] == "program_round_trip" and c["passed"] for c in r.get("checks", []))),
-    ("load", "Target accepts the program (capabilities, device size)", lambda r: r.get("outcome") not in ("LOAD_FAIL", "COMPILE_FAIL") and "load_target" in (r.get("timings") or {})),
-    ("link", "Link / simulator session stays up for the whole run", lambda r: r.get("outcome") not in ("LINK_FAIL", "TIMEOUT", "CRASH")),
-    ("bitexact", "Bit-identical to the simulator at every SYNC", lambda r: r.get("target") == "sim" or any(c["name"] == "bit_identical_to_sim" and c["passed"] for c in r.get("checks", []))),
-    ("tokens", "Tokens equal the golden (teacher-forced and free-running)", lambda r: all(c["passed"] for c in r.get("checks", []) if c["name"] in ("teacher_forced_top1", "free_running_tokens")) and bool(r.get("checks"))),
-    ("accuracy", "Logits and hidden states within tolerance", lambda r: all(c["passed"] for c in r.get("checks", []) if c["name"] in ("logits_within_tolerance", "hidden_states_within_tolerance")) and bool(r.get("checks"))),
-]
-
-
-def _evidence(r: dict) -> str:
-    """Run folder and its UTC date (from the folder's ``<YYYYmmddTHHMMSS>-`` prefix) of a result."""
-    rd = r.get("run_dir")
-    if not rd:
-        return "-"
-    name = Path(rd).name
-    try:
-        when = _dt.datetime.strptime(name[:15], "%Y%m%dT%H%M%S").strftime("%Y-%m-%d %H:%M")
-    except ValueError:
-        when = "?"
-    return f"`{rd}/report.html` ({when} UTC)"
-
-
-def checklist_markdown(manifest: list[dict], results: list[dict], meta: dict | None = None) -> str:
-    """Silicon bring-up checklist: per manifest row, each bring-up step checked from the latest result.
-
-    Columns: the row, its expected and latest outcome, one mark per :data:`CHECKLIST_STEPS`
-    step, the evidence (the run's report and date) and the row's ``owner`` (manifest field,
-    ``-`` if unset). ``meta`` is the sweep's ``summary.json`` (folder, start, wall time,
-    workers, git commit) shown in the header."""
-    by = {(r["model"], r["target"], r.get("quant", "bf16")): r for r in results}
-    lines = ["# Bring-up checklist", "", f"Generated {_dt.datetime.now(_dt.timezone.utc).isoformat(timespec='seconds')} from `expectations.yaml` and the latest sweep."]
-    if meta:
-        lines += ["", f"Sweep `{meta.get('dir', '?')}`: started {meta.get('started', '?')}, {meta.get('rows_done', '?')}/{meta.get('rows_total', '?')} rows, "
-                  f"wall time {meta.get('wall_s', '?')} s with {meta.get('workers', '?')} worker(s), commit `{meta.get('git_commit', '?')}`, run seed {meta.get('run_seed', '?')}."]
-    lines.append("")
-    lines += ["| model | target | quant | expected | latest | " + " | ".join(s[0] for s in CHECKLIST_STEPS) + " | evidence | owner |",
-              "|---|---|---|---|---|" + "---|" * len(CHECKLIST_STEPS) + "---|---|"]
-    for row in manifest:
-        key = (row["model"], row["target"], row.get("quant", "bf16"))
-        r = by.get(key)
-        pending = r is None or r.get("outcome") == "INCOMPLETE"  # not run, still running, or its worker died: no evidence either way
-        marks = ["[ ]" if pending else ("[x]" if fn(r) else "[ ] **no**") for _, _, fn in CHECKLIST_STEPS]
-        latest = "not run" if r is None else r["outcome"]
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {row.get('expect', 'PASS')} | {latest} | " + " | ".join(marks)
-                     + f" | {'-' if r is None else _evidence(r)} | {row.get('owner', '-')} |")
-    lines += ["", "Steps:", ""] + [f"- **{k}**: {desc}" for k, desc, _ in CHECKLIST_STEPS]
-    return "\n".join(lines) + "\n"
+_GIT_COMMIT: str | None = None
 
 
 def git_commit() -> str:
     """``git describe --always --dirty`` of the working directory ("unknown" outside a git checkout)."""
+    global _GIT_COMMIT
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        _GIT_COMMIT = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        _GIT_COMMIT = "unknown"
+    return _GIT_COMMIT
 
 
-def latest_summary(out_root: Path = Path("runs/sweeps")) -> dict:
-    """``summary.json`` of the most recent sweep plus its folder as ``dir`` ({} if none)."""
-    latest = Path(out_root) / "latest"
-    p = latest / "summary.json"
-    if not p.exists():
-        return {}
-    return dict(json.loads(p.read_text()), dir=str(Path(out_root) / latest.resolve().name))
+def __getattr__(name):
+    """The per-row checklist moved to :mod:`nhil.report.row_checklist` (kept importable here)."""
+    if name in ("CHECKLIST_STEPS", "checklist_markdown", "latest_results", "latest_summary"):
+        from nhil.report import row_checklist
 
-
-def latest_results(out_root: Path = Path("runs/sweeps")) -> list[dict]:
-    """Rows of the most recent sweep's results.jsonl ([] if none)."""
-    rows = read_log(Path(out_root) / "latest")
-    out = []
-    for r in rows:
-        rep = r
-        rd = r.get("run_dir")
-        if rd and Path(rd, "report.json").exists():
-            rep = json.loads(Path(rd, "report.json").read_text())
-            rep.update({k: r[k] for k in ("outcome", "quant") if r.get(k)})
-        out.append(rep)
-    return out
+        return getattr(row_checklist, name)
+    raise AttributeError(name)

@@ -23,27 +23,9 @@ from pathlib import Path
 import pytest
 
 from nhil import expectations
-from nhil.sweep import pending_row, record_row, run_one, shared_sweep_dir
+from nhil.sweep import pending_row, record_row, row_id, run_one, select_rows, shared_sweep_dir
 
-
-def _row_id(r: dict) -> str:
-    return f"{r['model']}-{r['target']}-{r['quant']}"
-
-
-def select_rows(rows: list[dict], spec: str) -> list[dict]:
-    """Rows chosen by a ``NHIL_MATRIX_ROWS`` value (module docstring)."""
-    spec = (spec or "all").strip()
-    if spec == "all":
-        return rows
-    if spec == "default":
-        return [r for r in rows if not r.get("nightly")]
-    want = {s.strip() for s in spec.split(",") if s.strip()}
-    unknown = want - {_row_id(r) for r in rows}
-    if unknown:
-        raise ValueError(f"NHIL_MATRIX_ROWS names unknown row(s) {', '.join(sorted(unknown))}; known: {', '.join(_row_id(r) for r in rows)}")
-    return [r for r in rows if _row_id(r) in want]
-
-
+_row_id = row_id  # model-target-quant[-variant]
 ROWS = select_rows(expectations.load(), os.environ.get("NHIL_MATRIX_ROWS", "all"))
 RUN_SEED = int(os.environ.get("NHIL_RUN_SEED", "0"))
 # the same in every xdist worker of one run; a plain pytest run gets its own id

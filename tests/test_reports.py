@@ -9,7 +9,8 @@ import pytest
 
 from nhil import expectations
 from nhil.report.junit import junit_xml
-from nhil.sweep import checklist_markdown, matrix_markdown, row_seed, run_one
+from nhil.report.row_checklist import checklist_markdown
+from nhil.sweep import matrix_markdown, row_seed, run_one
 from nhil.verify import STAGE_TIMEOUTS, VerifyOptions, verify
 
 

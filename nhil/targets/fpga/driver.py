@@ -173,13 +173,21 @@ class FpgaTarget(Target):
         max_fragment: cap on the data bytes per frame (the adaptive budget starts here; default
             the board's max payload).
         progress: show a progress bar for loads (``None``: when the image exceeds 8 MiB and stderr is a tty).
+        board: name of a board in the boards file (``$FPGA_BOARD``; :mod:`nhil.boards`): its URL, baud
+            and device preset replace ``port``, ``baud`` and ``device``.
     """
 
     name = "fpga"
 
     def __init__(self, port: str | None = None, baud: int | None = None, device: str | DeviceConfig | None = "aim-like", faults: str | None = None, *,
                  rtl: bool = False, open_timeout: float = 10.0, frame_timeout: float = 0.5, run_timeout: float = 60.0, max_retries: int = 32,
-                 chunk_bytes: int = 65536, max_fragment: int | None = None, progress: bool | None = None, **_ignored) -> None:
+                 chunk_bytes: int = 65536, max_fragment: int | None = None, progress: bool | None = None, board: str | None = None, **_ignored) -> None:
+        self.board = board or os.environ.get("FPGA_BOARD") or None
+        if self.board:
+            from nhil.boards import get_board
+
+            b = get_board(self.board)
+            port, baud, device = b.url, b.baud, b.device
         self.port = port or os.environ.get("FPGA_PORT") or None
         try:
             self.baud = int(baud if baud is not None else os.environ.get("FPGA_BAUD", DEFAULT_BAUD))
@@ -1109,7 +1117,7 @@ class FpgaTarget(Target):
         link = dict(self.link)
         link["wire_efficiency"] = round(link["payload_tx"] / link["bytes_tx"], 4) if link["bytes_tx"] else None
         link["fragment_budget"] = {"now": self.budget, "min": self.budget_min_seen, "max": self.budget_max}
-        out = {"instructions": dict(self._counts), "link": link, "port": self.url or self.port, "baud": self.baud}
+        out = {"instructions": dict(self._counts), "link": link, "port": self.url or self.port, "baud": self.baud, "board": self.board}
         if self.proc is not None or (self.port is None and self.url):
             out["emulator"] = {"device": self.device_name, "faults": self.faults or "none", "rtl": self.rtl}
         if self.load_bytes:
