@@ -94,7 +94,7 @@ class VerifyOptions:
             parts.append(f"QUANT={shlex.quote(self.quant)}")
         if self.layers is not None:
             parts.append(f"LAYERS={self.layers}")
-        for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "WAVES"):
+        for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "FPGA_BOARD", "WAVES"):
             if os.environ.get(env):
                 parts.append(f"{env}={shlex.quote(os.environ[env])}")
         return " ".join(parts)

@@ -63,7 +63,9 @@ def test_sim_verify_passes(name, tmp_path):
 
     rep = verify(VerifyOptions(model=name, target="sim", tokens=8, goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
     assert rep["outcome"] == "PASS", rep.get("error") or [c for c in rep["checks"] if not c["passed"]]
-    assert all(s["top1_agree"] for s in rep["steps"]) and min(s["sqnr_db"] for s in rep["steps"]) > 30
+    # a top-1 flip is allowed only as a reported near tie (phi3 at seed 0: margin ~0.01 at one step, nhil.golden.accuracy)
+    assert all(s["top1_agree"] or s.get("near_tie", {}).get("kind") == "top1" for s in rep["steps"]) and min(s["sqnr_db"] for s in rep["steps"]) > 30
+    assert rep["tight"]["passed"]
 
 
 # ------------------------------------------------------------------ reference kernels vs independent computations

@@ -55,7 +55,7 @@ def _golden(tmp_path):
     from nhil.golden.store import write_golden
 
     src = tmp_path / "publisher-goldens" / "g.safetensors"
-    write_golden(src, {"logits": torch.arange(4, dtype=torch.float32)}, {"model": "llama-tiny"})
+    write_golden(src, {"logits": torch.arange(4, dtype=torch.float32).reshape(2, 2)}, {"model": "llama-tiny", "n_tokens": "2", "vocab_size": "2"})
     return src.read_bytes()
 
 
@@ -73,7 +73,7 @@ def test_shared_golden_is_verified_by_sha256_before_it_is_written(tmp_path):
     assert install(node, "llama-tiny-0123456789ab.safetensors", sha, data) is False  # same content already there: nothing moves
     assert read_manifest(node)["llama-tiny-0123456789ab.safetensors"]["sha256"] == sha
     tensors, _ = load_golden(node / "llama-tiny-0123456789ab.safetensors")  # the store verifies it again on read
-    assert tensors["logits"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert tensors["logits"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
     with pytest.raises(GoldenError, match="plain .safetensors"):
         install(node, "../evil.safetensors", sha, data)
     assert golden_of({"golden": {"path": str(node / "llama-tiny-0123456789ab.safetensors"), "sha256": sha}}) == ("llama-tiny-0123456789ab.safetensors", sha, data)
@@ -211,12 +211,12 @@ def test_ray_auto_starts_a_local_instance_gives_the_local_outcome_and_stops_it(t
     other = dict(row, model="no-such-model-2")
     out, (rep, rep2) = ray_sweep([row, other], run_seed=2, out_root=tmp_path / "ray", address="auto", local_cpus=1, log=sys.stderr)
     local = run_one(row, 2, tmp_path / "local")
-    assert rep["outcome"] == local["outcome"] == "LOAD_FAIL" and "unknown model 'no-such-model'" in rep["error"]
+    assert rep["outcome"] == local["outcome"] == "USAGE_ERROR" and "unknown model 'no-such-model'" in rep["error"]  # nhil.args, before any work
     assert (rep["seed"], rep["reproducer"]) == (local["seed"], local["reproducer"])
     assert rep["node"]["host"] == socket.gethostname()
     assert not ray.is_initialized()
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["kind"] == "ray" and summary["address"] == "auto" and summary["workers"] == 1 and summary["outcomes"] == {"LOAD_FAIL": 2}
+    assert summary["kind"] == "ray" and summary["address"] == "auto" and summary["workers"] == 1 and summary["outcomes"] == {"USAGE_ERROR": 2}
     # one CPU: the second row starts only after the first one's verify has ended (no CPU lent while a task waits)
     first, second = sorted([rep, rep2], key=lambda r: r["node"]["t"])
     assert second["node"]["t"] >= first["node"]["t"] + first["wall_s"] - 0.5
