@@ -16,17 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def _cell(v: Any) -> str:
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def tier_sections(report: dict[str, Any]) -> list[str]:
     """Markdown lines of the sections listed in the module docstring (empty when the report has none)."""
+    from nhil.report.writer import _cell, _table  # the report's own table helpers
+
     out: list[str] = []
     if report.get("divergence_summary"):
         out += ["## What happened", "", str(report["divergence_summary"]), ""]
