@@ -80,6 +80,7 @@ def test_sweep_row_that_hangs_is_timeout_and_one_that_dies_is_crash(tmp_path):
 
 
 def test_stage_timeout_gives_timeout_outcome_and_keeps_a_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("NHIL_CACHE", "0")  # the export stage must run (a cached program skips it)
     monkeypatch.setitem(STAGE_TIMEOUTS, "export", 0.05)
     rep = verify(VerifyOptions(model="llama-tiny", target="sim", tokens=2, goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
     assert rep["outcome"] == "TIMEOUT" and rep["stage"] == "export"
