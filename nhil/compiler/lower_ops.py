@@ -40,11 +40,7 @@ def _linear(cx: LowerCtx, node) -> None:
     bias = node.args[2] if len(node.args) > 2 else None
     b, wn = cx.b, cx.const_name(w)
     qt = cx.quant.weight(wn, cx.const(w)) if cx.quant is not None else None
-    new = wn not in b.placements
-    p = b.place_matrix(wn, cx.const(w), qt=qt)
-    if new:
-        cx.formats_used[p.fmt] = cx.formats_used.get(p.fmt, 0) + 1
-        cx.weight_bytes += p.nbytes
+    p = b.place_matrix(wn, cx.const(w), qt=qt)  # formats and bytes are counted over every placement in lower.py
     out = cx.out(node)
     b.gemv(p, cx.arg(x), out if bias is None else f"{out}.acc")
     if bias is not None:  # bias added on the host (fp32) after RD_ACC: lower_attention.lower_bias

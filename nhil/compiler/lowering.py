@@ -88,7 +88,6 @@ class LowerCtx:
         kv_layouts: attention-layer ordinal -> KV layout (``info["kv_layout"]``).
         outputs: program outputs (``logits``, ``act.<module>``).
         layer_out: decoder layer -> buffer of its output (the residual add).
-        formats_used: weight format -> number of matrices placed in it.
     """
 
     b: ProgramBuilder
@@ -98,11 +97,9 @@ class LowerCtx:
     kv_layouts: dict[int, object] = dataclasses.field(default_factory=dict)
     outputs: dict[str, str] = dataclasses.field(default_factory=dict)
     layer_out: dict[int, str] = dataclasses.field(default_factory=dict)
-    formats_used: dict[str, int] = dataclasses.field(default_factory=dict)
     moe_info: list[dict] = dataclasses.field(default_factory=list)
     linear_count: int = 0
     attn_count: int = 0
-    weight_bytes: int = 0
 
     def arg(self, a: torch.fx.Node) -> str:
         """Host buffer holding value ``a``.
