@@ -124,6 +124,11 @@ def _lower_node(cx: LowerCtx, gm: torch.fx.GraphModule, node: torch.fx.Node) -> 
         return
     if node.op != "call_function":
         raise CompileError(f"cannot lower {node.op} node {node.name} at {where(node)}")
+    if "host_group" in node.meta:  # a host ATen region (nhil.compiler.host_aten)
+        from nhil.compiler.lower_host_aten import lower_host_group
+
+        lower_host_group(cx, gm, node)
+        return
     tgt = node.target
     if tgt is operator.getitem:
         src, i = node.args

@@ -89,11 +89,14 @@ def _gelu_mul(cx: LowerCtx, node) -> None:
 
 @lowering("nhil::layer_norm")
 def _layer_norm(cx: LowerCtx, node) -> None:
-    """LayerNorm on the host (GPT-2); weight and bias are optional host images."""
+    """LayerNorm on the host (GPT-2); weight and bias are optional host images. A norm over
+    less than the whole token (a per-head QK-norm, Persimmon) records its ``width``."""
     x, w, bias, eps = node.args
     ins = [cx.arg(x)] + [cx.image(t) for t in (w, bias) if t is not None]
     out = cx.out(node)
-    cx.b.host("layer_norm", ins, [out], eps=float(eps), has_weight=w is not None, has_bias=bias is not None)
+    shape = x.meta["val"].shape
+    width = {"width": int(shape[-1])} if int(shape[-1]) != numel(x) // int(shape[0]) else {}
+    cx.b.host("layer_norm", ins, [out], eps=float(eps), has_weight=w is not None, has_bias=bias is not None, **width)
 
 
 @lowering("nhil::gelu")

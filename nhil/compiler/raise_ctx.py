@@ -103,6 +103,7 @@ class Ctx:
         for k in self.set_keys:
             self.r.env.pop(k, None)
         self.created, self.set_keys = [], []
+        self.__dict__.pop("_materialised", None)  # host ATen recomputations of Markers (host_aten.materialise)
 
     def fallback_aten(self) -> None:
         """Non-strict mode: copy the region's ATen nodes verbatim (when all inputs are real nodes)."""

@@ -452,61 +452,72 @@ def h_gpt2_model(ctx: Ctx) -> None:
     h_index_arith(ctx)
 
 
-HANDLERS: dict[str, Callable[[Ctx], None]] = {
-    "TorchExportableModuleWithStaticCache": h_static_cache_wrapper,
-    "TorchExportableModuleWithHybridCache": h_static_cache_wrapper,
-    "Dropout": h_dropout,
-    "GELUTanh": h_act,
-    "Embedding": h_embedding,
-    "Linear": h_linear,
-    "LlamaRMSNorm": h_rms_norm,
-    "LlamaRotaryEmbedding": h_rotary,
-    "SiLUActivation": h_act,
-    "LlamaMLP": h_mlp,
-    "LlamaDecoderLayer": h_residual,
-    "LlamaModel": h_index_arith,
-    "LlamaAttention": h_attention,
-    "ScaledWordEmbedding": h_scaled_embedding,
-    "ForCausalLM": h_causal_lm,
-    "LayerNorm": h_layer_norm,
-    "Conv1D": h_conv1d,
-    "NewGELUActivation": h_gelu_new,
-    "GPT2Model": h_gpt2_model,
-    "GPT2Block": h_residual,
-    "MixtralSparseMoeBlock": h_moe_block,
-    "MixtralTopKRouter": h_moe_router,
-    "MixtralExperts": h_moe_experts,
-    "GptOssMLP": h_moe_block,  # a MoE block under the MLP role name
-}
-
-# Module classes of other families whose code is the Llama code under another name are
-# dispatched by the role suffix of their class name (``MistralRMSNorm`` -> ``RMSNorm``).
-# This is safe because every handler still matches the region op by op and the raised
-# graph is checked bit-exact; a class whose code differs simply fails to match.
-ROLE_SUFFIXES: list[tuple[str, str]] = [
-    ("ScaledWordEmbedding", "ScaledWordEmbedding"),
-    ("ForCausalLM", "ForCausalLM"),
-    ("RMSNorm", "LlamaRMSNorm"),
-    ("RotaryEmbedding", "LlamaRotaryEmbedding"),
-    ("Attention", "LlamaAttention"),
-    ("MLP", "LlamaMLP"),
-    ("DecoderLayer", "LlamaDecoderLayer"),
-    ("Model", "LlamaModel"),
-    ("SparseMoeBlock", "MixtralSparseMoeBlock"),
-    ("TopKRouter", "MixtralTopKRouter"),
-    ("Experts", "MixtralExperts"),
+# Raising by pattern: every region is offered to the patterns whose anchor ops it contains, in
+# this order (the most specific first); the first that matches the whole region exactly wins.
+# Module class names play no part: they only name regions in reports. A region no pattern
+# raises becomes an attention core by its anchors (raise_anchor) or, when it holds no
+# PIM-bound work, host ATen (host_aten): the exported ops themselves.
+_INDEX = INDEX_OPS | FLOAT_MASK_OPS
+PATTERNS: list[tuple[str, Callable[[Ctx], None], frozenset | None]] = [
+    ("static-cache position", h_static_cache_wrapper, frozenset({aten.copy_.default})),
+    ("dropout (eval)", h_dropout, frozenset({aten.dropout.default})),
+    ("embedding", h_embedding, frozenset({aten.embedding.default})),
+    ("scaled embedding", h_scaled_embedding, frozenset({aten.embedding.default})),
+    ("linear", h_linear, frozenset({aten.linear.default})),
+    ("Conv1D linear", h_conv1d, frozenset({aten.addmm.default})),
+    ("RMSNorm", h_rms_norm, frozenset({aten.rsqrt.default})),
+    ("LayerNorm", h_layer_norm, frozenset({aten.layer_norm.default})),
+    ("RoPE tables", h_rotary, frozenset({aten.cos.default})),
+    ("gated activation", h_act, frozenset({aten.silu.default, aten.gelu.default})),
+    ("gelu_new", h_gelu_new, frozenset({aten.tanh.default})),
+    ("logit soft-cap", h_causal_lm, frozenset({aten.tanh.default})),
+    ("gated MLP", h_mlp, frozenset({aten.mul.Tensor, aten.chunk.default})),
+    ("positions / causal mask", h_gpt2_model, frozenset(_INDEX)),
+    ("residual add", h_residual, frozenset({aten.add.Tensor})),
+    ("attention", h_attention, frozenset({aten.scaled_dot_product_attention.default, aten.index_copy_.default, aten.matmul.default, aten.view.default, aten.add_.Tensor})),
+    ("MLA attention", DEEPSEEK_HANDLERS["DeepseekV3Attention"], None),
+    ("DeepSeek router", DEEPSEEK_HANDLERS["DeepseekV3TopkRouter"], None),
+    ("DeepSeek MoE block", DEEPSEEK_HANDLERS["DeepseekV3MoE"], None),  # needs a raised DeepSeek router: before the generic block
+    ("MoE router", h_moe_router, None),
+    ("MoE experts", h_moe_experts, None),
+    ("MoE block", h_moe_block, None),
 ]
 
 
-# families kept in their own modules register under their exact class names
-HANDLERS.update(DEEPSEEK_HANDLERS)
+def candidates(ops: set) -> list[tuple[str, Callable[[Ctx], None]]]:
+    """The patterns to try on a region whose ATen ops are ``ops`` (see ``PATTERNS``)."""
+    return [(name, h) for name, h, anchor in PATTERNS if anchor is None or anchor & ops]
 
 
-def handler_for(cls: str, path: str = "") -> Callable[[Ctx], None] | None:
-    """Handler of a module class: exact class name first, then by role suffix."""
-    if cls in HANDLERS:
-        return HANDLERS[cls]
-    for suffix, base in ROLE_SUFFIXES:
-        if cls.endswith(suffix):
-            return HANDLERS[base]
-    return None
+def raise_region(ctx: Ctx) -> str:
+    """Raise one region: the first pattern that matches it exactly, else the attention anchors,
+    else host ATen. Returns the name of what raised it (``"host ATen"`` for the fallback).
+
+    Raises:
+        Mismatch: nothing raised it; the reason names the PIM-bound op that kept it off the
+            host, or else the first pattern's mismatch.
+    """
+    from nhil.compiler.host_aten import h_host_aten
+    from nhil.compiler.raise_anchor import h_attention_anchor
+
+    ops = {n.target for n in ctx.nodes}
+    first: Mismatch | None = None
+    tries = candidates(ops)
+    if aten.scaled_dot_product_attention.default in ops:
+        tries.append(("attention (anchors)", h_attention_anchor))
+    tries.append(("host ATen", h_host_aten))
+    for name, h in tries:
+        try:
+            try:
+                h(ctx)
+            except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+                # a pattern written for other regions met arguments of another kind (a scalar
+                # where it expects a tensor, ...): it does not fit this region
+                raise Mismatch(ctx.nodes[0], f"the {name} pattern does not fit: {type(e).__name__}: {e}") from None
+            ctx.check_outputs_mapped()
+            return name
+        except Mismatch as m:
+            ctx.undo()
+            if first is None or name in ("attention (anchors)", "host ATen") and ("PIM-bound" in m.reason or "writes into" in m.reason or "attention" in name):
+                first = m
+    raise first if first is not None else Mismatch(ctx.nodes[0], "no pattern")

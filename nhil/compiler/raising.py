@@ -58,6 +58,10 @@ class RaisedGraph:
         unraised ops made it impossible to build (non-strict mode only).
     counts: ``"nhil::<prim>" -> number of calls``.
     unraised: ops left as ATen (non-strict mode), first one first.
+    host_aten: ``"aten.<op>.<overload>" -> count`` of the ops kept as host ATen regions
+        (``nhil.compiler.host_aten``): the exported ops, run on the host as exported.
+    raised_by: ``(module path, class, pattern)`` per region: which pattern raised it
+        (``raise_handlers.PATTERNS``, ``"attention (anchors)"`` or ``"host ATen"``).
     """
 
     gm: fx.GraphModule | None
@@ -65,6 +69,8 @@ class RaisedGraph:
     counts: dict[str, int] = field(default_factory=dict)
     unraised: list[UnraisedOp] = field(default_factory=list)
     cache_names: list[str] = field(default_factory=list)
+    host_aten: dict[str, int] = field(default_factory=dict)
+    raised_by: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -146,6 +152,7 @@ class Raiser:
         self.failed: set[fx.Node] = set()
         self.cache_len = max([_val(n).shape[2] for n in self.old.nodes if n.op == "call_function" and n.target == aten.index_copy_.default] or [1])
         self.cache_names: list[str] = []
+        self.raised_by: list[tuple[str, str, str]] = []  # (module path, class, pattern) per raised region
 
     # -- canonical values -------------------------------------------------------
     def canon(self, n: fx.Node) -> fx.Node:
@@ -278,7 +285,7 @@ class Raiser:
 
     def run(self, strict: bool) -> RaisedGraph:
         from nhil.compiler.raise_ctx import Ctx
-        from nhil.compiler.raise_handlers import handler_for
+        from nhil.compiler.raise_handlers import raise_region
 
         for name in self.user_inputs:
             ph = self.g.placeholder(name)
@@ -288,12 +295,8 @@ class Raiser:
             ph.meta["example_shape"], ph.meta["example_dtype"] = tuple(v.shape), v.dtype
         for region in self.regions():
             ctx = Ctx(self, region)
-            handler = handler_for(region.cls, region.path)
             try:
-                if handler is None:
-                    raise Mismatch(region.nodes[0], f"no nhil pattern for module class {region.cls or '(none)'}")
-                handler(ctx)
-                ctx.check_outputs_mapped()
+                self.raised_by.append((region.path, region.cls, raise_region(ctx)))
             except Mismatch as m:
                 self.record_unraised(region, m)
                 ctx.undo()
@@ -312,7 +315,7 @@ class Raiser:
         for a in self.old.output_node().args[0]:
             v = self.env.get(self.canon(a))
             if not isinstance(v, fx.Node):
-                return RaisedGraph(None, self.kind, self._counts(), self.unraised, self.cache_names)
+                return RaisedGraph(None, self.kind, self._counts(), self.unraised, self.cache_names, self._host_counts(), self.raised_by)
             outs.append(v)
         self.g.output(outs[0] if len(outs) == 1 else tuple(outs))
         for n in list(self.g.nodes):
@@ -327,7 +330,7 @@ class Raiser:
         self.g.lint()
         gm = fx.GraphModule(_attr_root(self.attrs), self.g, class_name="NhilGraph")
         _fake_prop(gm)
-        return RaisedGraph(gm, self.kind, self._counts(), self.unraised, self.cache_names)
+        return RaisedGraph(gm, self.kind, self._counts(), self.unraised, self.cache_names, self._host_counts(), self.raised_by)
 
     def record_unraised(self, region: Region, m: Mismatch) -> None:
         n = m.node if m.node is not None else region.nodes[0]
@@ -335,6 +338,16 @@ class Raiser:
         u._index = self.index.get(n, 0)  # type: ignore[attr-defined]
         self.unraised.append(u)
         self.failed.update(region.nodes)
+
+    def _host_counts(self) -> dict[str, int]:
+        from nhil.runtime.aten_graph import op_name
+
+        counts: dict[str, int] = {}
+        for n in self.g.nodes:
+            if n.op == "call_function" and "host_group" in n.meta:
+                k = op_name(n.target)
+                counts[k] = counts.get(k, 0) + 1
+        return dict(sorted(counts.items()))
 
     def _counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -19,6 +19,7 @@ from nhil.errors import RunError
 
 KERNELS: dict[str, Callable] = {}
 ARITY: dict[str, tuple[tuple[int, int | None], tuple[int, int | None]]] = {}  # name -> ((min, max) inputs, (min, max) outputs)
+VALIDATORS: dict[str, Callable] = {}  # name -> fn(n_inputs, n_outputs, attrs) -> reason | None, after the type checks
 _ATTR_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list,)}
 
 
@@ -72,7 +73,8 @@ def check_host_op(kernel_name: str, n_inputs: int, n_outputs: int, attrs: dict) 
         ok = _ATTR_TYPES.get(base)
         if ok is not None and (not isinstance(v, ok) or (base != "bool" and isinstance(v, bool))):
             return f"{kernel_name} attribute {p.name}={v!r:.40} is a {type(v).__name__}, expected {ann.replace('|', ' | ')}"
-    return None
+    check = VALIDATORS.get(kernel_name)
+    return check(n_inputs, n_outputs, attrs) if check is not None else None
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -209,12 +211,14 @@ def moe_dispatch(inputs, outputs, ctx, layer: int, experts: list, top_k: int, nu
 
 
 @kernel("layer_norm", (1, 3), 1)
-def layer_norm(inputs, outputs, ctx, eps: float, has_weight: bool = True, has_bias: bool = True):
-    """LayerNorm of one token: inputs = [x, weight (if has_weight), bias (if has_bias)] -> ``nhil::layer_norm``."""
+def layer_norm(inputs, outputs, ctx, eps: float, has_weight: bool = True, has_bias: bool = True, width: int | None = None):
+    """LayerNorm of one token: inputs = [x, weight (if has_weight), bias (if has_bias)] -> ``nhil::layer_norm``;
+    ``width``: normalise each run of ``width`` elements (a per-head norm), default the whole token."""
     it = iter(inputs[1:])
     w = _t(next(it)) if has_weight else None
     b = _t(next(it)) if has_bias else None
-    outputs[0][:] = _ops().layer_norm(_t(inputs[0]).reshape(1, 1, -1), w, b, eps).reshape(-1).numpy()
+    x = _t(inputs[0]).reshape(1, 1, -1) if width is None else _t(inputs[0]).reshape(1, -1, width)
+    outputs[0][:] = _ops().layer_norm(x, w, b, eps).reshape(-1).numpy()
 
 
 @kernel("gelu", 1, 1)
@@ -281,3 +285,22 @@ def mla_pack(inputs, outputs, ctx, num_heads: int, kv_lora_rank: int, qk_rope_he
     outputs[1][:] = 0.0
     outputs[1][:r] = latent
     outputs[1][r : r + rope] = krot
+
+
+@kernel("aten_graph", (0, None), (1, None))
+def aten_graph(inputs, outputs, ctx, ops: list, in_specs: list, out_specs: list):
+    """A host ATen region: the exported ops themselves, run in the exported dtype (``nhil.runtime.aten_graph``)."""
+    from nhil.runtime import aten_graph as ag
+
+    ag.run(ops, in_specs, out_specs, inputs, outputs)
+
+
+def _check_aten_graph(n_inputs: int, n_outputs: int, attrs: dict) -> str | None:
+    from nhil.runtime import aten_graph as ag
+
+    if len(attrs["in_specs"]) != n_inputs or len(attrs["out_specs"]) != n_outputs:
+        return f"aten_graph has {n_inputs} inputs / {n_outputs} outputs but specs for {len(attrs['in_specs'])} / {len(attrs['out_specs'])}"
+    return ag.check_spec(attrs["ops"], attrs["in_specs"], attrs["out_specs"])
+
+
+VALIDATORS["aten_graph"] = _check_aten_graph
