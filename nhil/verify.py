@@ -415,13 +415,18 @@ def _verify(run: _Run) -> None:
             blob = c.program.encode()
             prog = Program.decode(blob, source="<encoded program>")
             run.check("program_round_trip", prog.encode() == blob, f".pimb of {len(blob)} bytes decodes and re-encodes byte-identically")
-        meta = {"export_nodes": len(c.exported.graph.nodes), "raised_primitives": dict(c.raised.counts), "pass_log": [p.as_dict() for p in c.pass_log]}
+        from nhil.compiler.pim_share import pim_weight_share
+        from nhil.compiler.placement import placement
+
+        where_ran = placement(c.raised.gm) | {"weights": pim_weight_share(c.raised.gm, bundle.model)}
+        meta = {"export_nodes": len(c.exported.graph.nodes), "raised_primitives": dict(c.raised.counts), "pass_log": [p.as_dict() for p in c.pass_log],
+                "placement": where_ran}
         return prog, meta, blob
 
     from nhil.compiler import cache as pcache  # warm verify: content-addressed program cache (NHIL_CACHE=0 disables)
 
     program, meta, R["program_cache"] = pcache.cached_verify_compile(o.model, bundle, o.quant, device, max_len, compile_program, R["timings"], run.check, passes=o.passes)
-    R["export_nodes"], R["raised_primitives"] = meta.get("export_nodes"), meta.get("raised_primitives")
+    R["export_nodes"], R["raised_primitives"], R["placement"] = meta.get("export_nodes"), meta.get("raised_primitives"), meta.get("placement")
     R["passes"] = list(program.info.get("passes", []))
     R["pass_log"] = meta.get("pass_log", [])
     if o.quant != "bf16":

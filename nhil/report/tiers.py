@@ -6,6 +6,7 @@
   values with their IEEE-754 bits);
 * "Near ties": top-1 flips and MoE expert selections within the accuracy tier's noise
   (margin, sigma, layer, experts);
+* "Where it ran": PIM primitives, host primitives, host ATen ops, PIM share of weights and MACs.
 * "Compiled with": the scheduling passes and whether each changed the program.
 
 Used by :func:`nhil.report.writer.render_markdown`.
@@ -56,6 +57,7 @@ def tier_sections(report: dict[str, Any]) -> list[str]:
         out.append("")
     if report.get("accuracy_not_judged"):
         out += ["## Accuracy not judged", "", str(report["accuracy_not_judged"]), ""]
+    out += _placement_section(report.get("placement"))
     log = report.get("pass_log") or []
     if log:
         out += ["## Compiled with (scheduling passes, `nhil.compiler.pipeline`)", ""]
@@ -64,3 +66,23 @@ def tier_sections(report: dict[str, Any]) -> list[str]:
                         "-" if p.get("instrs_before") is None else f"{p['instrs_before']} -> {p['instrs_after']}"] for p in log])
         out.append("")
     return out
+
+
+def _placement_section(pl: dict | None) -> list[str]:
+    """"Where it ran": PIM primitives, host primitives, host ATen ops, PIM share of weights and MACs (``nhil.compiler.placement``)."""
+    if not pl:
+        return []
+    from nhil.report.writer import _table
+
+    def counts(d: dict) -> str:
+        return ", ".join(f"{k} x{v}" for k, v in d.items()) or "none"
+
+    w, m = pl.get("weights") or {}, pl.get("macs") or {}
+    rows = [["PIM primitives", counts(pl.get("pim", {}))], ["host primitives", counts(pl.get("host_primitives", {}))],
+            ["host ATen (exported ops, run as exported)", counts(pl.get("host_aten", {}))]]
+    if w:
+        rows.append(["weights on PIM", f"{w.get('share', 0):.1%} of {w.get('matrix_params', 0):,} matrix elements"
+                     + (f"; on the host: {', '.join(w['host_matrices'])}" if w.get("host_matrices") else "")])
+    if m:
+        rows.append(["MACs per token on PIM", f"{m.get('pim_share', 0):.2%} ({m.get('pim', 0):,} on PIM, {m.get('host', 0):,} on the host)"])
+    return ["## Where it ran (`nhil.compiler.placement`)", ""] + _table(["part", "what"], rows) + [""]
