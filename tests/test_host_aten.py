@@ -169,3 +169,20 @@ def test_a_program_with_a_tampered_host_aten_op_is_refused_at_load(monkeypatch):
     h.attrs["ops"][0][0] = "aten.index_copy_.default"
     with pytest.raises(ProgramFormatError, match=f"host op {i}: .*mutates"):
         Program.decode(prog.encode())
+
+
+def test_eager_attention_runs_its_products_on_pim_and_its_score_transform_as_host_aten(monkeypatch, tmp_path):
+    """Llama with ``attn_implementation="eager"``: no SDPA, so the attention anchors find
+    ``matmul(q, Kᵀ)`` and ``matmul(p, V)`` over the cache writes (nhil::attention_scores /
+    attention_values on PIM); scale, additive mask and softmax run as the exported ops."""
+
+    def edit(m):
+        m.config._attn_implementation = "eager"
+
+    _registered(monkeypatch, "llama-eager", edit)
+    rep = _verify("llama-eager", tmp_path)
+    assert rep["outcome"] == "PASS", rep.get("error") or rep.get("divergence_summary")
+    assert next(c for c in rep["checks"] if c["name"] == "tight_bit_identical_to_reference")["passed"]
+    pl = rep["placement"]
+    assert pl["pim"]["nhil::attention_scores"] == 2 and pl["pim"]["nhil::attention_values"] == 2 and "nhil::attention_kv" not in pl["pim"]
+    assert pl["host_aten"]["aten.softmax.int"] == 2 and pl["macs"]["pim_share"] == 1.0

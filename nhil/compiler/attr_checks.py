@@ -204,6 +204,22 @@ def _moe(a: dict) -> Iterator[Violation]:
     yield from _positive(a, "swiglu_limit")
 
 
+@_check("attention_scores", "attention_values")
+def _attention_halves(a: dict) -> Iterator[Violation]:
+    yield from _at_least(a, "num_heads", 1)
+    yield from _at_least(a, "num_kv_heads", 1)
+    yield from _divides(a, "num_heads", "num_kv_heads")
+
+
+@_check("moe_experts")
+def _moe_experts(a: dict) -> Iterator[Violation]:
+    yield from _at_least(a, "num_experts", 1)
+    yield from _at_least(a, "top_k", 1)
+    e, k = a["num_experts"], a["top_k"]
+    if isinstance(e, int) and isinstance(k, int) and k > e:
+        yield "top_k", k, f"must be <= num_experts={e}"
+
+
 @_check("mla_kv", "mla")
 def _mla(a: dict) -> Iterator[Violation]:
     for n in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):

@@ -21,6 +21,7 @@ Products over activations or small buffers only (RoPE's ``inv_freq @ positions``
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -48,12 +49,15 @@ LAYOUT = {
     aten.alias.default, aten.detach.default, aten.repeat_interleave.self_int, aten.repeat.default,
     aten.index_copy_.default, aten.index_copy.default, aten.copy_.default, aten._to_copy.default, aten.to.dtype,
     aten.lift_fresh_copy.default, aten.unbind.int, aten.split.Tensor, aten.chunk.default,
+    # gathers of weight rows (a MoE layer's ``gate_up_proj[expert_ids]``) still read the weight
+    aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.take.default,
 }
 
 
 def _heavy_sources(raiser, node: fx.Node) -> set[str]:
     """State-dict names of the weights (params with >= 2 dims) and caches (mutated buffers) that
-    ``node`` *is*, up to layout ops (views, transposes, slices, casts, repeat_kv, a cache write):
+    ``node`` *is*, up to layout ops (views, transposes, slices, casts, repeat_kv, a cache write,
+    gathers of rows):
     the operand of a product that makes it a GEMV or an attention over the cache."""
     mutated = raiser.__dict__.get("_mutated")
     if mutated is None:
@@ -83,10 +87,25 @@ def _is_weight(raiser, a) -> bool:
     return isinstance(t, torch.nn.Parameter) and t.dim() == 2
 
 
+def functional_form(raiser, n: fx.Node):
+    """The out-of-place overload of an in-place op on a value computed in the graph (``w /= w.sum()``
+    of a router), when that is the same computation: the mutated input is no buffer or input, and
+    every other reader of it comes before the op. ``None`` otherwise."""
+    name = getattr(getattr(n.target, "_schema", None), "name", "")
+    if not (name.startswith("aten::") and name.endswith("_") and not name.endswith("__") and n.args and isinstance(n.args[0], fx.Node)):
+        return None
+    x = raiser.canon(n.args[0])
+    if x.op != "call_function" or any(raiser.index[u] > raiser.index[n] for u in x.users if u is not n):
+        return None
+    packet = getattr(torch.ops.aten, name[len("aten::"):-1], None)
+    op = getattr(packet, n.target._overloadname, None) if packet is not None else None
+    return op if isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable else None
+
+
 def pim_bound_reason(raiser, n: fx.Node) -> str | None:
     """Why ``n`` may not run as host ATen (a cache write, a GEMV or an attention over the cache), or None."""
     schema = getattr(n.target, "_schema", None)
-    if schema is not None and schema.is_mutable:
+    if schema is not None and schema.is_mutable and functional_form(raiser, n) is None:
         return f"{n.target} writes into a buffer (a KV cache or recurrent state the device owns); no nhil pattern raises this write"
     if n.target in PRODUCTS:
         heavy = sorted(set().union(*(_heavy_sources(raiser, a) for a in n.all_input_nodes)))
@@ -123,22 +142,23 @@ def materialise(ctx, old: fx.Node) -> fx.Node:
     v = ctx.r.env.get(old)
     if isinstance(v, fx.Node):
         return v
-    if v is None:
+    if v is None and (old.op != "call_function" or old in ctx.r.failed or old in ctx.members):
         return ctx.tensor(old)  # a parameter, or the Mismatch naming the unraised region
-    if not isinstance(v, Marker):
+    # a Marker, or a value internal to a raised region (a mask's bool form inside the Model region)
+    if v is not None and not isinstance(v, Marker):
         raise Mismatch(ctx.nodes[0], f"input {old.name} is not a tensor of the graph IR")
-    if v.kind == "cache_pos0":
+    if isinstance(v, Marker) and v.kind == "cache_pos0":
         ov = _val(old)
         node = _emit(ctx, aten.select.int, (v.data, 0, 0), {}, old)
         if isinstance(ov, torch.Tensor) and ov.dim() == 1:
             node = _emit(ctx, aten.reshape.default, (node, list(ov.shape)), {}, old)
     else:
         if old.op != "call_function":
-            raise Mismatch(ctx.nodes[0], f"input {old.name} ({v.kind}) cannot be recomputed on the host")
+            raise Mismatch(ctx.nodes[0], f"input {old.name} cannot be recomputed on the host")
         linear = old.target == aten.linear.default and _is_weight(ctx.r, old.args[1])
         why = None if linear else pim_bound_reason(ctx.r, old)
         if why:
-            raise Mismatch(old, f"recomputing {old.name} ({v.kind}) on the host: {why}")
+            raise Mismatch(old, f"recomputing {old.name} on the host: {why}")
         srcs = [materialise(ctx, a) for a in old.all_input_nodes]
         lookup = dict(zip([ctx.r.canon(a) for a in old.all_input_nodes], srcs))
         args = fx.node.map_arg(old.args, lambda a: lookup[ctx.r.canon(a)])
@@ -169,10 +189,12 @@ def _emit(ctx, target, args, kwargs, old: fx.Node) -> fx.Node:
 
 def _exported_shape(ctx, new: fx.Node, old: fx.Node) -> fx.Node:
     """``new`` viewed in ``old``'s exported shape where the graph IR keeps a value in another
-    shape (decode position ids [1, 1] are the ``cache_position`` input [1])."""
+    shape (decode position ids [1, 1] are the ``cache_position`` input [1]; a per-head QK-norm
+    primitive returns the flat projection [B, S, H*hd] of the exported [B, S, H, hd])."""
     ov = _val(old)
-    shape = new.meta.get("example_shape") if new.op == "placeholder" else None
-    if isinstance(ov, torch.Tensor) and shape is not None and tuple(shape) != tuple(ov.shape):
+    nv = ctx.r.ir_val(new)
+    shape = tuple(nv.shape) if isinstance(nv, torch.Tensor) else None
+    if isinstance(ov, torch.Tensor) and shape is not None and shape != tuple(ov.shape) and math.prod(shape) == ov.numel():
         _new_group(ctx)
         new = _emit(ctx, aten.reshape.default, (new, list(ov.shape)), {}, old)
         _new_group(ctx)
@@ -221,7 +243,8 @@ def emit_host(ctx, nodes: list[fx.Node], done: dict | None = None) -> dict[fx.No
             new = ctx.emit(nhil.linear.default, x, look(n.args[1]), bias)
             _new_group(ctx)
         else:
-            new = _emit(ctx, n.target, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look), n)
+            target = functional_form(ctx.r, n) or n.target
+            new = _emit(ctx, target, fx.node.map_arg(n.args, look), fx.node.map_arg(n.kwargs, look), n)
         local[n] = new
         ctx.set(n, new)
     _new_group(ctx)

@@ -88,18 +88,46 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
     ``sinks``: host image of the per-head sink logits [num_heads] (GPT-OSS), an extra
     softmax input (its column is dropped after the softmax).
     """
+    L = kv.max_len
+    append_k(b, kv, k)
+    append_v(b, kv, v)
+    scores = b.buffer(f"{name}.scores", num_heads * L)
+    attention_scores(b, kv, q, scores, num_heads)
+    # -- softmax on the host
+    probs = b.buffer(f"{name}.probs", num_heads * L)
+    extra = {}
+    if window is not None:
+        extra["window"] = int(window)
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if sinks is not None:
+        extra["sinks"] = True
+    b.host("masked_softmax", [scores, "$pos"] + ([sinks] if sinks is not None else []), [probs], num_heads=num_heads, max_len=L, scale=float(scale), **extra)
+    b.invalidate_gb()
+    attention_values(b, kv, probs, out, num_heads)
+
+
+def append_k(b: ProgramBuilder, kv: KvLayout, k: str) -> None:
+    """K append: ``k`` [Hkv*hd] into slot ``pos % S`` of row ``K_base + pos // S`` (WR_SBK, POS_SLOT)."""
+    d = b.d
+    for c in range(kv.kv_heads * kv.head_dim // d.lanes):
+        b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_SLOT, row=kv.k_base, col=c, imm=0xFFFF, operand=b.operand(k, c * d.lanes, d.lanes))
+
+
+def append_v(b: ProgramBuilder, kv: KvLayout, v: str) -> None:
+    """Vᵀ append: element ``u`` of ``v`` into slot ``u % S``, column ``pos`` (WR_SBK, POS_COL)."""
+    d = b.d
+    for u in range(kv.kv_heads * kv.head_dim):
+        g, s = divmod(u, d.slots)
+        b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_COL, ch=s // d.banks, bank=s % d.banks, row=kv.v_base + g * kv.v_rows_per_group, operand=b.operand(v, u, 1))
+
+
+def attention_scores(b: ProgramBuilder, kv: KvLayout, q: str, scores: str, num_heads: int) -> None:
+    """``scores[j*L + t] = q_j · k_t`` for every query head j and cache position t (one MAC per head per K row)."""
     d = b.d
     hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
     rep = num_heads // hkv
     nb = hd // d.lanes
-    # -- KV append (positions bound at run time)
-    for c in range(hkv * hd // d.lanes):
-        b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_SLOT, row=kv.k_base, col=c, imm=0xFFFF, operand=b.operand(k, c * d.lanes, d.lanes))
-    for u in range(hkv * hd):
-        g, s = divmod(u, S)
-        b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_COL, ch=s // d.banks, bank=s % d.banks, row=kv.v_base + g * kv.v_rows_per_group, operand=b.operand(v, u, 1))
-    # -- scores = q_j · K (one MAC per head per K row-group)
-    scores = b.buffer(f"{name}.scores", num_heads * L)
     units = [(j, r) for j in range(num_heads) for r in range(kv.k_rows)]
     for u0 in range(0, len(units), d.accumulators):
         batch = units[u0 : u0 + d.accumulators]
@@ -112,18 +140,13 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
         for a, (j, r) in enumerate(batch):
             cnt = min(S, L - r * S)
             b.emit(Op.RD_ACC, k=a, n=cnt, operand=b.operand(scores, j * L + r * S, cnt))
-    # -- softmax on the host
-    probs = b.buffer(f"{name}.probs", num_heads * L)
-    extra = {}
-    if window is not None:
-        extra["window"] = int(window)
-    if softcap is not None:
-        extra["softcap"] = float(softcap)
-    if sinks is not None:
-        extra["sinks"] = True
-    b.host("masked_softmax", [scores, "$pos"] + ([sinks] if sinks is not None else []), [probs], num_heads=num_heads, max_len=L, scale=float(scale), **extra)
-    b.invalidate_gb()
-    # -- out_j = p_j · Vᵀ rows of head j's slots
+
+
+def attention_values(b: ProgramBuilder, kv: KvLayout, probs: str, out: str, num_heads: int) -> None:
+    """``out_j = p_j · Vᵀ`` rows of head j's slots (``probs`` [num_heads*L] in the global buffer, one GEMV per head)."""
+    d = b.d
+    hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
+    rep = num_heads // hkv
     jobs = []
     for j in range(num_heads):
         h = j // rep
@@ -159,3 +182,40 @@ def _attention_kv(cx: LowerCtx, node) -> None:
     if sinks is not None:  # GPT-OSS per-head sink logits: a host image read by the host softmax
         sinks = cx.image(sinks)
     lower_decode_attention(cx.b, kv, cx.arg(q), cx.arg(k), cx.arg(v), out, int(hq), float(scale), name=f"attn{layer}", window=window, softcap=softcap, sinks=sinks)
+
+
+def _eager_kv(cx: LowerCtx, cache_node) -> KvLayout | None:
+    """The KV layout of an eager attention layer, placed by its ``attention_scores`` (the scores
+    and values of one layer come in that order in the graph)."""
+    pending = cx.__dict__.setdefault("_eager_pending", [])
+    return pending.pop(0) if pending else None
+
+
+@lowering("nhil::attention_scores")
+def _attention_scores(cx: LowerCtx, node) -> None:
+    """Eager attention, first half: KV rows placed, K append, q·Kᵀ for every cache position (PIM)
+    into the node's [Hq*L] buffer (``nhil.compiler.primitives_attention``)."""
+    q, k, kc, _cpos, hq, hkv = node.args
+    kshape = cx.const(kc).shape  # [B, Hkv, L, hd]
+    layer = cx.next_attention_layer()
+    kv = place_kv(cx.b, layer, int(kshape[2]), int(hkv), int(kshape[3]))
+    cx.kv_layouts[layer] = kv
+    cx.__dict__.setdefault("_eager_pending", []).append(kv)
+    out = cx.out(node)
+    append_k(cx.b, kv, cx.arg(k))
+    attention_scores(cx.b, kv, cx.arg(q), out, int(hq))
+
+
+@lowering("nhil::attention_values")
+def _attention_values(cx: LowerCtx, node) -> None:
+    """Eager attention, second half: V append, p·V (PIM) with the host-ATen probabilities."""
+    from nhil.errors import CompileError
+
+    probs, v, vc, _cpos, hq, hkv = node.args
+    kv = _eager_kv(cx, vc)
+    if kv is None or tuple(cx.const(vc).shape[1:]) != (kv.kv_heads, kv.max_len, kv.head_dim):
+        raise CompileError(f"nhil::attention_values {node.name} has no matching nhil::attention_scores before it")
+    out = cx.out(node)
+    append_v(cx.b, kv, cx.arg(v))
+    cx.b.invalidate_gb()
+    attention_values(cx.b, kv, cx.arg(probs), out, int(hq))

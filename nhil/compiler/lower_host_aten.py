@@ -62,7 +62,7 @@ def lower_host_group(cx: LowerCtx, gm: torch.fx.GraphModule, node: torch.fx.Node
         spec = _spec_of(a)
         if a.op == "get_attr":
             t = cx.const(a)
-            if not t.is_meta and not t.dtype.is_floating_point and t.numel() and int(t.abs().max()) >= 2**24:
+            if not t.is_meta and not t.dtype.is_floating_point and t.dtype != torch.bool and t.numel() and int(t.abs().max()) >= 2**24:
                 raise CompileError(f"graph constant {a.target} holds integers beyond 2^24, which an fp32 host image cannot keep exactly")
             in_names.append(cx.image(a))
         else:

@@ -54,7 +54,7 @@ SHARED_KEYS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "shared
 GPT_OSS_KEYS = ("router_bias", "gate_up_bias", "down_bias")
 
 
-def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dict, layer: int, quant=None) -> dict:
+def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dict, layer: int, quant=None, route: str | None = None) -> dict:
     """Emit one MoE layer (see the module docstring).
 
     Args:
@@ -73,6 +73,9 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
             with ``score_bias``: ``n_group``, ``topk_group``, ``routed_scaling_factor``.
         layer: MoE layer ordinal (names buffers, recorded in host-op attrs).
         quant: optional :class:`nhil.compiler.quantize.QuantPlan` for the expert matrices.
+        route: host buffer ``[ids (as fp32) ..., weights ...]`` (``2*top_k``) when the routing was
+            computed elsewhere (``nhil::moe_experts``: host ATen routing); then there is no
+            ``"router"`` weight and no ``moe_route``.
     Returns:
         metadata for ``program.info["moe"]``.
     Raises:
@@ -83,9 +86,9 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
                                   "n_group", "topk_group", "routed_scaling_factor"}
     if unknown or unknown_attrs:
         raise CompileError(f"moe layer {layer}: no lowering for moe attributes {sorted(unknown | unknown_attrs)}")
-    (rn, rw), (gn, gu), (dn, dw) = weights["router"], weights["gate_up"], weights["down"]
+    (gn, gu), (dn, dw) = weights["gate_up"], weights["down"]
     e_count, k = int(attrs["num_experts"]), int(attrs["top_k"])
-    h = int(rw.shape[1])
+    h = int(weights["router"][1].shape[1]) if route is None else int(gu.shape[2])
     gpt_oss = attrs.get("experts_layout", "concat") == "transposed_interleaved"
     if gpt_oss != (attrs.get("act", "silu") == "swiglu_clamp") or gpt_oss != ("gate_up_bias" in weights) or gpt_oss != ("down_bias" in weights):
         raise CompileError(f"moe layer {layer}: the transposed_interleaved layout goes with act='swiglu_clamp' and expert biases, and only with them")
@@ -98,10 +101,31 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         ok = tuple(gu.shape) == (e_count, i2, h) and tuple(dw.shape) == (e_count, h, i2 // 2)
     if not ok or i2 % 2:
         raise CompileError(f"moe layer {layer}: inconsistent expert weights gate_up {tuple(gu.shape)}, down {tuple(dw.shape)}")
-    inter = i2 // 2
     pre = f"{out}.moe"
     place = lambda name, w: b.place_matrix(name, w, qt=quant.weight(name, w) if quant is not None else None)  # noqa: E731
     shared = _lower_shared_expert(b, x_buf, pre, weights, h, layer, place) if "shared_gate_proj" in weights else None
+    if route is None:
+        route, router_macs, route_attrs = _lower_router(b, x_buf, pre, weights, attrs, e_count, k)
+    else:
+        router_macs, route_attrs = 0, {}
+    markers, ys, macs = _lower_experts(b, x_buf, pre, weights, attrs, e_count, k, h, layer, place, gpt_oss)
+    routed = out if shared is None else b.buffer(f"{pre}.routed", h)
+    b.buffer(out, h)
+    b.host("moe_dispatch", [route, *ys], [routed], layer=layer, experts=markers, top_k=k, num_experts=e_count)
+    info = {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs.get("score_func", "host ATen")),
+            "norm_topk_prob": bool(attrs.get("norm_topk_prob", False)), "expert_markers": markers, "dispatch": len(b.host_ops) - 1,
+            "mac_ab_per_expert": macs, "router_mac_ab": router_macs, **route_attrs}
+    if shared is not None:
+        ins = [routed, shared["y"]] + ([shared["gate"]] if shared["gate"] else [])
+        b.host("moe_shared_add", ins, [out], gated=shared["gate"] is not None)
+        info["shared_mac_ab"] = shared["mac_ab"]
+        info["shared_gated"] = shared["gate"] is not None
+    return info
+
+
+def _lower_router(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, attrs: dict, e_count: int, k: int) -> tuple[str, int, dict]:
+    """Router GEMV (+ GPT-OSS bias) and ``HOST moe_route``; returns (route buffer, router MAC_AB count, routing attrs)."""
+    rn, rw = weights["router"]
     pr = b.place_matrix(rn, rw)
     b.buffer(f"{pre}.logits", e_count)
     if "router_bias" in weights:  # GPT-OSS router bias, added on the host after RD_ACC (as a biased linear)
@@ -115,6 +139,13 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         route_in.append(b.host_image(*weights["score_bias"]))
         route_attrs = {a: attrs[a] for a in ("n_group", "topk_group", "routed_scaling_factor")}
     b.host("moe_route", route_in, [f"{pre}.route"], top_k=k, norm_topk_prob=bool(attrs["norm_topk_prob"]), score_func=str(attrs["score_func"]), **route_attrs)
+    return f"{pre}.route", sum(len(r) for r in pr.rows), route_attrs
+
+
+def _lower_experts(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, attrs: dict, e_count: int, k: int, h: int, layer: int, place, gpt_oss: bool):
+    """One sub-program per expert (module docstring, step 3); returns (marker host-op indices, y buffers, MAC_AB per expert)."""
+    (gn, gu), (dn, dw) = weights["gate_up"], weights["down"]
+    inter = (int(gu.shape[2]) if gpt_oss else int(gu.shape[1])) // 2
     markers, ys, macs = [], [], []
     for e in range(e_count):
         if b._wfmt != 0:
@@ -150,18 +181,7 @@ def lower_moe(b: ProgramBuilder, x_buf: str, out: str, weights: dict, attrs: dic
         macs.append(sum(1 for ins in b.instrs[start:] if ins.op.name == "MAC_AB"))
         ys.append(y)
     b.invalidate_gb()
-    routed = out if shared is None else b.buffer(f"{pre}.routed", h)
-    b.buffer(out, h)
-    b.host("moe_dispatch", [f"{pre}.route", *ys], [routed], layer=layer, experts=markers, top_k=k, num_experts=e_count)
-    info = {"layer": layer, "num_experts": e_count, "top_k": k, "score_func": str(attrs["score_func"]),
-            "norm_topk_prob": bool(attrs["norm_topk_prob"]), "expert_markers": markers, "dispatch": len(b.host_ops) - 1,
-            "mac_ab_per_expert": macs, "router_mac_ab": sum(len(r) for r in pr.rows), **route_attrs}
-    if shared is not None:
-        ins = [routed, shared["y"]] + ([shared["gate"]] if shared["gate"] else [])
-        b.host("moe_shared_add", ins, [out], gated=shared["gate"] is not None)
-        info["shared_mac_ab"] = shared["mac_ab"]
-        info["shared_gated"] = shared["gate"] is not None
-    return info
+    return markers, ys, macs
 
 
 def _lower_shared_expert(b: ProgramBuilder, x_buf: str, pre: str, weights: dict, h: int, layer: int, place) -> dict:
@@ -220,3 +240,22 @@ def _moe(cx: LowerCtx, node) -> None:
             attrs[key] = t
     attrs = dict(attrs, num_experts=n_exp, top_k=top_k, score_func=attrs.get("score_func", "softmax"), norm_topk_prob=attrs.get("norm_topk_prob", True))
     cx.moe_info.append(lower_moe(cx.b, cx.arg(x), node.name, w, attrs, layer=len(cx.moe_info), quant=cx.quant))
+
+
+@lowering("nhil::moe_experts")
+def _moe_experts(cx: LowerCtx, node) -> None:
+    """Experts on explicit routing (``nhil.compiler.primitives_moe``): ``HOST moe_pack`` forms the
+    route buffer from the host-ATen ids and weights, then the expert sub-programs and the
+    dispatch of :func:`lower_moe`.
+
+    Raises:
+        CompileError: more than one token (the decode step routes one).
+    """
+    x, ids, wts, gu, dw, n_exp, top_k = node.args
+    if numel(node) != int(x.meta["val"].shape[-1]):
+        raise CompileError(f"nhil::moe_experts at {where(node)} routes one token per decode step, got {tuple(x.meta['val'].shape)}")
+    pre = f"{node.name}.moe"
+    route = cx.b.buffer(f"{pre}.route", 2 * int(top_k))
+    cx.b.host("moe_pack", [cx.arg(ids), cx.arg(wts)], [route], top_k=int(top_k))
+    w = {"gate_up": (cx.const_name(gu), cx.const(gu)), "down": (cx.const_name(dw), cx.const(dw))}
+    cx.moe_info.append(lower_moe(cx.b, cx.arg(x), node.name, w, {"num_experts": n_exp, "top_k": top_k}, layer=len(cx.moe_info), quant=cx.quant, route=route))

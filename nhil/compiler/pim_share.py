@@ -8,7 +8,9 @@ weight, ``nhil::moe`` matrices, ``nhil::mla_kv`` / ``nhil::mla`` projections). T
 are identified by storage, so a transposed view (GPT-2's Conv1D ``W.t()``) or a tied
 LM head counts once. The token-embedding table is excluded when it is only read by
 ``nhil::embedding`` (a host row lookup, not a GEMV); when it is tied to the LM head it is
-a GEMV matrix and counts.
+a GEMV matrix and counts. Likewise a >=2-D parameter read only by host ATen (an additive
+``[1, E]`` routing bias, a gathered table): host ATen may not hold a product over a weight
+(``nhil.compiler.host_aten``), so such a tensor is not a GEMV matrix.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.fx as fx
 
 __all__ = ["pim_weight_share", "PIM_OPS"]
 
-PIM_OPS = ("linear", "moe", "mla_kv", "mla")
+PIM_OPS = ("linear", "moe", "moe_experts", "mla_kv", "mla")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -42,9 +44,12 @@ def pim_weight_share(gm: fx.GraphModule, model: torch.nn.Module) -> dict:
     on_pim: set[int] = set()
     lookup_only: set[int] = set()
     for n in gm.graph.nodes:
-        if n.op != "call_function" or getattr(n.target, "namespace", None) != "nhil":
+        if n.op != "call_function":
             continue
-        op = n.target._opname
+        host_aten = "host_group" in n.meta  # host ATen never holds a product over a weight (host_aten.pim_bound_reason)
+        if not host_aten and getattr(n.target, "namespace", None) != "nhil":
+            continue
+        op = "host ATen" if host_aten else n.target._opname
         args = list(n.args) + list(n.kwargs.values())
         for a in args:
             if isinstance(a, fx.Node) and a.op == "get_attr":

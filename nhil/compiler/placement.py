@@ -23,7 +23,7 @@ import math
 import torch
 import torch.fx as fx
 
-PIM_PRIMITIVES = ("linear", "attention_kv", "attention", "moe", "mla_kv", "mla")
+PIM_PRIMITIVES = ("linear", "attention_kv", "attention", "attention_scores", "attention_values", "moe", "moe_experts", "mla_kv", "mla")
 _HOST_PRODUCTS = ("mm", "bmm", "matmul", "linear", "addmm", "baddbmm", "einsum")
 
 
@@ -48,6 +48,12 @@ def _macs(n: fx.Node) -> int:
             tokens, k = (math.prod(x[:-1]) or 1), int(n.args[5])
             per_expert = (math.prod(gu[1:]) if len(gu) == 3 else 0) + (math.prod(dn[1:]) if len(dn) == 3 else 0)
             return tokens * ((math.prod(rw) if rw else 0) + k * per_expert)
+        if op in ("attention_scores", "attention_values"):
+            c = _shape(n.args[2])
+            return int(n.args[4]) * c[2] * c[3] if len(c) == 4 else 0
+        if op == "moe_experts":
+            gu, dn = _shape(n.args[3]), _shape(n.args[4])
+            return int(n.args[6]) * (math.prod(gu[1:]) + math.prod(dn[1:])) if len(gu) == 3 and len(dn) == 3 else 0
         return 0
     name = str(n.target)
     if any(f"aten.{p}." in name for p in _HOST_PRODUCTS):

@@ -176,10 +176,10 @@ def h_attention_anchor(ctx) -> None:
     pre = [n for n in rest if n in pre_set]
     post = [n for n in rest if n not in pre_set]
     done = emit_host(ctx, pre)
-    from nhil.compiler.host_aten import materialise
+    from nhil.compiler.host_aten import _exported_shape, materialise
 
     def new(x):
-        return done[x] if x in done else materialise(ctx, x)
+        return done[x] if x in done else _exported_shape(ctx, materialise(ctx, x), x)
 
     qn, kn, vn = new(q_h), new(k_h), new(v_h)
     _new_group(ctx)
@@ -201,3 +201,127 @@ def h_attention_anchor(ctx) -> None:
     emit_host(ctx, post, done)
     if decode:
         ctx.r.cache_names += [kc.target, vc.target]
+
+
+def _through_transpose(ctx, x: fx.Node) -> fx.Node | None:
+    """``y`` when ``x`` is ``y.transpose(2, 3)`` (or ``(-2, -1)`` / ``(-1, -2)``) inside the region."""
+    x = ctx.r.canon(x)
+    if x.target == aten.transpose.int and x in ctx.members and {a % 4 for a in x.args[1:3]} == {2, 3}:
+        return ctx.r.canon(x.args[0])
+    return None
+
+
+def _descendants(ctx, start: fx.Node) -> set[fx.Node]:
+    """Region nodes that read ``start``, directly or through identity casts."""
+    from nhil.compiler.raising import _is_transparent
+
+    out, stack, seen = set(), [start], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if _is_transparent(u):
+                stack.append(u)
+            elif u in ctx.members:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def _ancestors(ctx, targets, stop: set) -> set[fx.Node]:
+    out, stack = set(), [ctx.r.canon(t) for t in targets]
+    while stack:
+        n = stack.pop()
+        if n in out or n in stop or n not in ctx.members:
+            continue
+        out.add(n)
+        stack.extend(ctx.r.canon(a) for a in n.all_input_nodes)
+    return out
+
+
+def h_attention_eager(ctx) -> None:
+    """Eager decode attention: ``matmul(q, repeat_kv(k_cache)ᵀ)`` -> the model's score transform
+    -> ``matmul(p, repeat_kv(v_cache))``. The products become ``nhil::attention_scores`` /
+    ``nhil::attention_values`` (PIM); the transform (scale, mask, bias, soft-cap, softmax) and the
+    glue stay host ATen (``nhil.compiler.primitives_attention``).
+
+    Raises:
+        Mismatch: not two static-cache writes feeding exactly one scores product and one values
+            product, a transform that reads the cache, or inconsistent head shapes.
+    """
+    writes = [n for n in ctx.nodes if n.target == aten.index_copy_.default]
+    mms = [n for n in ctx.nodes if n.target == aten.matmul.default]
+    if len(writes) != 2 or len(mms) != 2:
+        raise Mismatch(ctx.nodes[0], f"eager attention needs two cache writes and two matmuls, found {len(writes)} and {len(mms)}")
+    s_mm = p_mm = None
+    for m in mms:
+        kt = _through_transpose(ctx, m.args[1])
+        if kt is not None and _through_repeat_kv(ctx, kt)[0] in writes:
+            s_mm = m
+        elif _through_repeat_kv(ctx, m.args[1])[0] in writes:
+            p_mm = m
+    if s_mm is None or p_mm is None or s_mm is p_mm:
+        raise Mismatch(mms[0], "eager attention: no matmul(q, Kᵀ) and matmul(p, V) over the two cache writes")
+    kt = _through_transpose(ctx, s_mm.args[1])
+    kc, k_path, nrep_k = _through_repeat_kv(ctx, kt)
+    vc, v_path, nrep_v = _through_repeat_kv(ctx, p_mm.args[1])
+    if kc is vc:
+        raise Mismatch(s_mm, "eager attention: scores and values read the same cache")
+    (kcache, kdim, kpos, k_h), (vcache, vdim, vpos, v_h) = kc.args, vc.args
+    if kdim != 2 or vdim != 2:
+        raise Mismatch(kc, "static-cache writes must index the sequence dim 2")
+    idx = _index_slice(ctx, kpos) + [n for n in _index_slice(ctx, vpos) if n not in _index_slice(ctx, kpos)]
+    _check_cache_index(ctx, kpos, _index_slice(ctx, kpos))
+    _check_cache_index(ctx, vpos, _index_slice(ctx, vpos))
+    q_h, k_h, v_h = ctx.r.canon(s_mm.args[0]), ctx.r.canon(k_h), ctx.r.canon(v_h)
+    qv, kh_v, vh_v, cache = _val(q_h), _val(k_h), _val(v_h), tuple(_val(kcache).shape)
+    b, hq, s, hd = qv.shape
+    hkv = kh_v.shape[1]
+    ok = (tuple(kh_v.shape) == tuple(vh_v.shape) == (b, hkv, s, hd) and nrep_k == nrep_v and hkv * nrep_k == hq and s == 1
+          and cache[:2] == (b, hkv) and cache[3] == hd and tuple(_val(vcache).shape) == cache and qv.dtype == torch.float32)
+    if not ok:
+        raise Mismatch(s_mm, f"eager attention shapes do not fit: q {tuple(qv.shape)}, k {tuple(kh_v.shape)}, v {tuple(vh_v.shape)}, cache {cache}, n_rep {nrep_k}/{nrep_v}")
+    core = {kc, vc, ctx.r.canon(s_mm.args[1]), s_mm, p_mm, *k_path, *v_path, *idx}
+    for n in idx:
+        if any(u not in core for u in n.users if u.op == "call_function"):
+            raise Mismatch(n, f"{n.name} computes the cache index and is also used elsewhere")
+    mid_set = _descendants(ctx, s_mm) & _ancestors(ctx, [p_mm.args[0]], core)
+    probs = ctx.r.canon(p_mm.args[0])
+    if probs not in mid_set:
+        raise Mismatch(p_mm, "eager attention: the probabilities are not computed from the scores")
+    pre_set = _ancestors(ctx, [q_h, k_h, v_h], core)
+    rest = [n for n in ctx.nodes if n not in core]
+    pre = [n for n in rest if n in pre_set]
+    mid = [n for n in rest if n in mid_set]
+    if set(pre) & set(mid):
+        raise Mismatch(s_mm, "eager attention: the query depends on the scores")
+    post = [n for n in rest if n not in pre_set and n not in mid_set]
+    from nhil.compiler.host_aten import _exported_shape, materialise
+
+    done = emit_host(ctx, pre)
+
+    def new(x):
+        return done[x] if x in done else _exported_shape(ctx, materialise(ctx, x), x)
+
+    qn, kn, vn = new(q_h), new(k_h), new(v_h)
+    _new_group(ctx)
+    qf, kf, vf = _flat(ctx, qn, qv.shape, s_mm), _flat(ctx, kn, kh_v.shape, s_mm), _flat(ctx, vn, vh_v.shape, s_mm)
+    cp = next(v for k, v in ctx.r.env.items() if k.op == "placeholder" and k.name == "cache_position")
+    kcn, vcn = ctx.param(kcache), ctx.param(vcache)
+    scores = ctx.emit(nhil.attention_scores.default, qf, kf, kcn, cp, hq, hkv)
+    _new_group(ctx)
+    ctx.set(s_mm, scores)
+    done[s_mm] = scores
+    done.update(emit_host(ctx, mid, done))
+    att = ctx.emit(nhil.attention_values.default, done[probs], vf, vcn, cp, hq, hkv)
+    _new_group(ctx)
+    r = _emit(ctx, aten.reshape.default, (att, [b, s, hq, hd]), {}, p_mm)
+    oh = _emit(ctx, aten.transpose.int, (r, 1, 2), {}, p_mm)
+    ctx.set(p_mm, oh)
+    done[p_mm] = oh
+    ctx.set(kc, Marker("cache_write", kcn))
+    ctx.set(vc, Marker("cache_write", vcn))
+    emit_host(ctx, post, done)
+    ctx.r.cache_names += [kcn.target, vcn.target]

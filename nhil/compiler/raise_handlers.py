@@ -498,13 +498,16 @@ def raise_region(ctx: Ctx) -> str:
             host, or else the first pattern's mismatch.
     """
     from nhil.compiler.host_aten import h_host_aten
-    from nhil.compiler.raise_anchor import h_attention_anchor
+    from nhil.compiler.raise_anchor import h_attention_anchor, h_attention_eager
 
     ops = {n.target for n in ctx.nodes}
     first: Mismatch | None = None
+    tried: set[str] = set()
     tries = candidates(ops)
     if aten.scaled_dot_product_attention.default in ops:
         tries.append(("attention (anchors)", h_attention_anchor))
+    elif aten.index_copy_.default in ops and aten.matmul.default in ops:
+        tries.append(("attention (anchors)", h_attention_eager))
     tries.append(("host ATen", h_host_aten))
     for name, h in tries:
         try:
@@ -518,6 +521,9 @@ def raise_region(ctx: Ctx) -> str:
             return name
         except Mismatch as m:
             ctx.undo()
-            if first is None or name in ("attention (anchors)", "host ATen") and ("PIM-bound" in m.reason or "writes into" in m.reason or "attention" in name):
+            # report what says most: the attention anchors' reason when they were tried (the region is an
+            # attention), else host ATen's refusal of PIM-bound work, else the first pattern's mismatch
+            if first is None or name == "attention (anchors)" or (name == "host ATen" and "anchors" not in tried and ("PIM-bound" in m.reason or "writes into" in m.reason)):
                 first = m
+            tried.add("anchors" if name == "attention (anchors)" else name)
     raise first if first is not None else Mismatch(ctx.nodes[0], "no pattern")

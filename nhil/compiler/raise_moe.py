@@ -230,6 +230,9 @@ def h_moe_experts(ctx: Ctx) -> None:
         return
     if ctx.nodes[0].target == aten.repeat_interleave.self_int:
         b = ctx.match([MOE_EXPERTS_IN])
+        if not isinstance(ctx.value(b["wts"]), Marker):  # routing ran as host ATen: experts on explicit ids / weights
+            _prerouted_experts_in(ctx, b)
+            return
         st = _moe_marker(ctx, b["wts"], "moe_weights")
         _moe_marker(ctx, b["ids"], "moe_ids", st)
         if ctx.marker(b["tok"], "moe_tokens").data is not st["tok"] or b["k"] != st["k"]:
@@ -244,6 +247,9 @@ def h_moe_experts(ctx: Ctx) -> None:
         return
     b = ctx.match([MOE_EXPERTS_OUT])
     st = _moe_marker(ctx, b["a"], "moe_act")
+    if st.get("prerouted"):
+        _prerouted_experts_out(ctx, b, st)
+        return
     _moe_marker(ctx, b["u"], "moe_up", st)
     _moe_marker(ctx, b["idf"], "moe_idflat", st)
     _moe_marker(ctx, b["wf"], "moe_wflat", st)
@@ -253,3 +259,31 @@ def h_moe_experts(ctx: Ctx) -> None:
     if dn.dim() != 3 or tuple(dn.shape) != (st["E"], shape[-1], gu_shape[1] // 2) or b["k"] != st["k"] or b["H"] != shape[-1] or b["T"] != t:
         raise Mismatch(ctx.nodes[0], f"down_proj {tuple(dn.shape)} / combine view [{b['T']}, {b['k']}, {b['H']}] do not fit the MoE block")
     ctx.set(b["out"], Marker("moe_out", dict(st, dn=ctx.param(b["dn"]), shape=shape)))
+
+
+def _prerouted_experts_in(ctx: Ctx, b: dict) -> None:
+    """Experts part 1 when the routing is host ATen (no router pattern raised it): the ids and
+    weights are graph-IR tensors; the state carries them to part 2 (``nhil::moe_experts``)."""
+    from nhil.compiler.host_aten import materialise
+
+    gu, tv, iv, wv = _val(b["gu"]), _val(b["tok"]), _val(b["ids"]), _val(b["wts"])
+    k = b["k"]
+    if not (isinstance(k, int) and tv.dim() == 2 and gu.dim() == 3 and gu.shape[2] == tv.shape[1] and gu.shape[1] % 2 == 0
+            and tuple(iv.shape) == (tv.shape[0], k) == tuple(wv.shape) and iv.dtype == torch.int64 and wv.dtype == torch.float32):
+        raise Mismatch(ctx.nodes[0], f"MoE experts: tokens {tuple(tv.shape)}, ids {tuple(iv.shape)}, weights {tuple(wv.shape)}, gate_up {tuple(gu.shape)} do not fit")
+    st = {"prerouted": True, "x": materialise(ctx, b["tok"]), "ids": materialise(ctx, b["ids"]), "wts": materialise(ctx, b["wts"]),
+          "gu": ctx.param(b["gu"]), "E": int(gu.shape[0]), "k": k, "T": int(tv.shape[0]), "H": int(tv.shape[1])}
+    for name, kind in (("wf", "moe_wflat"), ("idf", "moe_idflat"), ("gate", "moe_gate"), ("up", "moe_up")):
+        ctx.set(b[name], Marker(kind, st))
+
+
+def _prerouted_experts_out(ctx: Ctx, b: dict, st: dict) -> None:
+    """Experts part 2 of :func:`_prerouted_experts_in` -> one ``nhil::moe_experts`` ([T, H], a tensor)."""
+    _moe_marker(ctx, b["u"], "moe_up", st)
+    _moe_marker(ctx, b["idf"], "moe_idflat", st)
+    _moe_marker(ctx, b["wf"], "moe_wflat", st)
+    dn = _val(b["dn"])
+    i2 = ctx.r.attrs[st["gu"].target].shape[1]
+    if tuple(dn.shape) != (st["E"], st["H"], i2 // 2) or b["k"] != st["k"] or b["H"] != st["H"] or b["T"] != st["T"]:
+        raise Mismatch(ctx.nodes[0], f"down_proj {tuple(dn.shape)} / combine view [{b['T']}, {b['k']}, {b['H']}] do not fit the MoE experts")
+    ctx.set(b["out"], ctx.emit(nhil.moe_experts.default, st["x"], st["ids"], st["wts"], st["gu"], ctx.param(b["dn"]), st["E"], st["k"]))

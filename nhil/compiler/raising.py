@@ -10,11 +10,13 @@ Algorithm (linear in the number of nodes):
 3. The remaining ops are grouped into *regions*: connected components of ops that share
    the same innermost ``nn_module_stack`` entry (module path + class).
 4. Regions are visited in dependency order, ties by graph order of their last node
-   (``Raiser._topological``). A handler chosen by the module
-   class (``raise_handlers.HANDLERS``) checks the region's exact ATen op sequence and
-   argument data flow (``raise_match``) or, for integer/bool index arithmetic (positions,
-   causal masks), evaluates it exhaustively over every cache position; it then emits
-   nhil primitives. A region nobody matches is *unraised*: reported, never approximated.
+   (``Raiser._topological``). ``raise_handlers.raise_region`` offers each to the patterns
+   whose anchor ops it contains (``PATTERNS``; module class names choose nothing), each
+   checking the region's exact ATen op sequence and argument data flow (``raise_match``)
+   or, for integer/bool index arithmetic (positions, causal masks), evaluating it
+   exhaustively over every cache position; then to attention by its anchors
+   (``raise_anchor``); then to host ATen (``host_aten``: the exported ops themselves, unless
+   they are PIM-bound). A region nothing raises is *unraised*: reported, never approximated.
 5. ``FakeTensorProp`` fills ``node.meta["val"]``; ``check.check_raised_exact`` runs both
    programs and demands bit-identical logits (and caches).
 """
@@ -173,6 +175,33 @@ class Raiser:
             node = self.g.get_attr(name)
             self.attr_nodes[name] = node
         return self.attr_nodes[name]
+
+    def ir_val(self, node: fx.Node):
+        """Fake value (shape, dtype) of a node of the graph IR being built, computed lazily with
+        fake tensors and memoised (``None`` when it cannot be computed)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = self.__dict__.get("_fake_mode")
+        if mode is None:
+            mode = self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            self._ir_vals = {}
+        if node in self._ir_vals:
+            return self._ir_vals[node]
+        val = None
+        try:
+            if node.op == "placeholder":
+                val = mode.from_tensor(torch.zeros(node.meta["example_shape"], dtype=node.meta["example_dtype"]))
+            elif node.op == "get_attr":
+                val = mode.from_tensor(self.attrs[node.target])
+            elif node.op == "call_function":
+                look = lambda a: self.ir_val(a)  # noqa: E731
+                args, kwargs = fx.node.map_arg(node.args, look), fx.node.map_arg(node.kwargs, look)
+                with mode:
+                    val = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a value that cannot be faked is reported as unknown
+            val = None
+        self._ir_vals[node] = val
+        return val
 
     # -- driver ---------------------------------------------------------------
     def live_nodes(self) -> set[fx.Node]:

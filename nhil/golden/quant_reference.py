@@ -284,6 +284,12 @@ class QuantReference(torch.fx.Interpreter):
             return self._attention_kv(*args, **kwargs)
         if ns == "nhil" and op == "moe":
             return self._moe(*args, **kwargs)
+        if ns == "nhil" and op == "attention_scores" and self.mode == "device":
+            return self._attention_scores(*args, **kwargs)
+        if ns == "nhil" and op == "attention_values" and self.mode == "device":
+            return self._attention_values(*args, **kwargs)
+        if ns == "nhil" and op == "moe_experts":
+            return self._moe_experts(*args, **kwargs)
         if ns == "nhil" and op == "mla_kv" and self.mode == "device":
             return self._mla_kv(*args, **kwargs)
         # every other nhil primitive, getitem, and ATen left in the graph (host regions the lowering runs as
@@ -336,6 +342,26 @@ class QuantReference(torch.fx.Interpreter):
         out = bf16_mac_rows(vt, p)  # [Hq, hd]
         return out.reshape(1, 1, num_heads * hd)
 
+
+    def _attention_scores(self, q, k, k_cache, cache_position, num_heads, num_kv_heads):
+        """Eager attention's q·Kᵀ as ``lower_attention.attention_scores`` runs it: k stored bf16 at the position,
+        a bf16 MAC of every cache row (rows beyond the position are zero) -> [1, Hq, 1, L]."""
+        hkv, L, hd = int(k_cache.shape[1]), int(k_cache.shape[2]), int(k_cache.shape[3])
+        if q.shape[0] != 1 or q.shape[1] != 1:
+            raise CompileError(f"the quantized reference runs one decode token at a time, got q of shape {tuple(q.shape)}")
+        pos = int(cache_position.reshape(-1)[0])
+        k_cache[0, :, pos] = round_bf16(k.reshape(hkv, hd))
+        kh = k_cache[0].repeat_interleave(num_heads // num_kv_heads, dim=0)  # [Hq, L, hd]
+        return bf16_mac_rows(kh, q.reshape(num_heads, hd)).reshape(1, num_heads, 1, L)
+
+    def _attention_values(self, probs, v, v_cache, cache_position, num_heads, num_kv_heads):
+        """Eager attention's p·V as ``lower_attention.attention_values`` runs it: v stored bf16, the host-ATen
+        probabilities (bf16 in the global buffer) against the Vᵀ rows -> [1, 1, Hq*hd]."""
+        hkv, L, hd = int(v_cache.shape[1]), int(v_cache.shape[2]), int(v_cache.shape[3])
+        pos = int(cache_position.reshape(-1)[0])
+        v_cache[0, :, pos] = round_bf16(v.reshape(hkv, hd))
+        vt = v_cache[0].transpose(1, 2).repeat_interleave(num_heads // num_kv_heads, dim=0)  # [Hq, hd, L]
+        return bf16_mac_rows(vt, probs.reshape(num_heads, L)).reshape(1, 1, num_heads * hd)
 
     def _bf16_weight(self, key, w: torch.Tensor, name: str | None = None) -> MacWeight:
         """The MAC weight of a matrix the lowering places itself (MoE experts, MLA's split kv_b_proj), built once per
@@ -394,6 +420,25 @@ class QuantReference(torch.fx.Interpreter):
         if shared is not None:
             out = out + (torch.sigmoid(gate) * shared if gate is not None else shared)
         return out.reshape(x.shape)
+
+    def _moe_experts(self, x, ids, weights, gate_up_proj, down_proj, num_experts, top_k):
+        """``nhil::moe_experts`` as ``lower_moe`` runs it with a given route: each routed expert's gate / up / down
+        as GEMVs in the device's numerics (plan format of ``<gate_up>.<e>.gate`` etc.), ``silu_mul`` on the host,
+        ``y * w`` summed over the slots in order (the ``moe_dispatch`` combine)."""
+        fx = self._current_node
+        nm = lambda a: a.target if isinstance(a, torch.fx.Node) and a.op == "get_attr" else getattr(a, "name", None)  # noqa: E731
+        gn, dn = nm(fx.args[3]), nm(fx.args[4])
+        h = int(x.shape[-1])
+        if x.numel() != h:
+            raise CompileError(f"the quantized reference runs one decode token at a time, got moe_experts input of shape {tuple(x.shape)}")
+        hs, inter = x.reshape(-1), int(gate_up_proj.shape[1]) // 2
+        ys = []
+        for e in (int(i) for i in ids.reshape(-1)):
+            g = self._gemv_bf16((fx.name, e, "gate"), gate_up_proj[e, :inter], hs, f"{gn}.{e}.gate")
+            u = self._gemv_bf16((fx.name, e, "up"), gate_up_proj[e, inter:], hs, f"{gn}.{e}.up")
+            ys.append(self._gemv_bf16((fx.name, e, "down"), down_proj[e], torch.ops.nhil.silu_mul(g, u), f"{dn}.{e}"))
+        y = torch.stack(ys) * weights.reshape(-1).unsqueeze(-1)
+        return y.view(1, top_k, -1).sum(dim=1).reshape(x.shape)
 
     def _mla_kv(self, q, kv_latent, k_rope, latent_cache, rope_cache, cache_position, cos, sin, kv_b_weight, num_heads, kv_lora_rank,
                 qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale, rope_interleave=True, q_lora_rank=None):

@@ -205,6 +205,6 @@ def run(ops: list, in_specs: list, out_specs: list, inputs: list, outputs: list)
             got = (list(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
             raise RuntimeError(f"host ATen value {ref} is {got}, the program recorded {shape} {dtype}")
         f = t.reshape(-1).to(torch.float32)
-        if not t.dtype.is_floating_point and t.numel() and int(t.abs().max()) >= _INT_EXACT:
+        if not t.dtype.is_floating_point and t.dtype != torch.bool and t.numel() and int(t.abs().max()) >= _INT_EXACT:
             raise RuntimeError(f"host ATen value {ref} holds integers beyond 2^24, which an fp32 host buffer cannot keep exactly")
         out[:] = f.numpy()

@@ -190,6 +190,16 @@ def moe_route(inputs, outputs, ctx, top_k: int, norm_topk_prob: bool = True, sco
     outputs[0][top_k:] = w.reshape(-1).numpy()
 
 
+@kernel("moe_pack", 2, 1)
+def moe_pack(inputs, outputs, ctx, top_k: int):
+    """Route buffer ``[ids ..., weights ...]`` of ``nhil::moe_experts`` from its host-ATen ids and weights (k each)."""
+    ids, w = inputs
+    if len(ids) != top_k or len(w) != top_k:
+        raise RunError(f"moe_pack: {len(ids)} ids and {len(w)} weights for top_k={top_k}")
+    outputs[0][:top_k] = ids
+    outputs[0][top_k:] = w
+
+
 @kernel("moe_expert", (0, None), (0, None))
 def moe_expert(inputs, outputs, ctx, layer: int, expert: int):
     """Marker opening expert ``expert``'s sub-program; the Runner never calls it in the
