@@ -358,7 +358,12 @@ class Raiser:
                 first.prepend(n)
         self.g.lint()
         gm = fx.GraphModule(_attr_root(self.attrs), self.g, class_name="NhilGraph")
-        _fake_prop(gm)
+        try:
+            _fake_prop(gm)
+        except Exception as e:  # noqa: BLE001 - a raised graph whose shapes do not propagate is a compiler defect, reported
+            where = getattr(e, "__notes__", None) or [""]
+            raise CompileError(f"the raised graph does not propagate shapes ({type(e).__name__}: {str(e)[:300]} {where[-1][:200]}); "
+                               f"this is an nhil raising defect: please report it with the model") from None
         return RaisedGraph(gm, self.kind, self._counts(), self.unraised, self.cache_names, self._host_counts(), self.raised_by)
 
     def record_unraised(self, region: Region, m: Mismatch) -> None:

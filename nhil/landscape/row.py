@@ -139,6 +139,9 @@ def run_row(model_type: str, workdir: Path) -> dict:
         row.update(outcome=rep.get("outcome"), stage=rep.get("stage"), run_dir=rep.get("run_dir"))
         if rep.get("error"):
             row["error"] = rep["error"][:600]
+        elif row["bucket"] == "MISMATCH":  # the failed checks are the cause (the tight tier says whose fault it is)
+            failed = [f"{c['name']}: {c.get('detail', '')}" for c in rep.get("checks") or [] if not c.get("passed")]
+            row["error"] = "; ".join(failed)[:600] or str(rep.get("divergence_summary") or "")[:600]
         if probe.pim is not None:
             row["pim"] = probe.pim
             if rep.get("outcome") in ("PASS", "XPASS") and probe.pim["share"] < 1.0:
