@@ -89,6 +89,8 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=L)
         if getattr(model.config, "kv_lora_rank", None):
             _shape_mla_cache(wrapper.model, model.config)
+        else:
+            _shape_cache_as_written(wrapper.model, model)
         with torch.no_grad():
             ep = wrapper.export(input_ids=example[0], cache_position=example[1])
     except CompileError:
@@ -128,5 +130,49 @@ def _shape_mla_cache(static_module: torch.nn.Module, config) -> None:
         layer.is_initialized = False
         layer.lazy_initialization(torch.zeros((batch, 1, 0, config.kv_lora_rank), dtype=dtype),
                                   torch.zeros((batch, 1, 0, config.qk_rope_head_dim), dtype=dtype))
+        static_module.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+        static_module.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+
+
+def _shape_cache_as_written(static_module: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Re-allocate the StaticCache layers whose shape differs from what the model writes.
+
+    transformers' recipe allocates every layer as ``[B, num_key_value_heads, L, head_dim]``
+    from the config, but several attention codes write other shapes (GPT-BigCode and Falcon
+    multi-query attention: one KV head; the BART-family decoders: ``decoder_attention_heads``).
+    One eager step with a dynamic cache (1 token, no grad) shows the ``[B, H, 1, d]`` keys and
+    values each layer really writes; a plain ``StaticLayer`` of another shape is re-initialised
+    with those (zeros, the model dtype) and the wrapper's ``key_cache_<i>`` / ``value_cache_<i>``
+    buffers re-registered. Layers that already fit are untouched (the programs of the families
+    that fit stay byte-identical).
+
+    Raises:
+        CompileError: a layer that must be re-shaped is not a plain ``StaticLayer``.
+    """
+    from transformers.cache_utils import StaticLayer
+
+    layers = static_module.static_cache.layers
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True)
+        written = getattr(out, "past_key_values", None)
+        seen = [(lay.keys, lay.values) for lay in written.layers] if written is not None and hasattr(written, "layers") else []
+    except Exception:  # noqa: BLE001 - the export itself then reports what fails
+        return
+    if len(seen) != len(layers):
+        return
+    batch = layers[0].keys.shape[0] if getattr(layers[0], "keys", None) is not None else 1
+    for i, (layer, (k, v)) in enumerate(zip(layers, seen)):
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4 and v.dim() == 4):
+            continue
+        want = ((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]))
+        have = ((layer.keys.shape[1], layer.keys.shape[3]), (layer.values.shape[1], layer.values.shape[3])) if getattr(layer, "keys", None) is not None else None
+        if have == want:
+            continue
+        if type(layer) is not StaticLayer:
+            raise CompileError(f"the model writes KV cache layer {i} as keys {tuple(k.shape)} / values {tuple(v.shape)}, "
+                               f"but the static cache allocates {type(layer).__name__} {have}; only plain StaticLayer caches can be re-shaped")
+        layer.is_initialized = False
+        layer.lazy_initialization(torch.zeros((batch, k.shape[1], 0, k.shape[3]), dtype=k.dtype), torch.zeros((batch, v.shape[1], 0, v.shape[3]), dtype=v.dtype))
         static_module.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
         static_module.register_buffer(f"value_cache_{i}", layer.values, persistent=False)

@@ -10,7 +10,9 @@ LM head counts once. The token-embedding table is excluded when it is only read 
 ``nhil::embedding`` (a host row lookup, not a GEMV); when it is tied to the LM head it is
 a GEMV matrix and counts. Likewise a >=2-D parameter read only by host ATen (an additive
 ``[1, E]`` routing bias, a gathered table): host ATen may not hold a product over a weight
-(``nhil.compiler.host_aten``), so such a tensor is not a GEMV matrix.
+(``nhil.compiler.host_aten``), so such a tensor is not a GEMV matrix. A parameter the decode
+step never reads (the cross-attention of a BART-family decoder run without encoder states)
+is listed as unused, not counted.
 """
 
 from __future__ import annotations
@@ -56,9 +58,16 @@ def pim_weight_share(gm: fx.GraphModule, model: torch.nn.Module) -> dict:
                 t = getattr(gm, a.target, None) if "." not in a.target else _fetch(gm, a.target)
                 if isinstance(t, torch.Tensor) and t.dim() >= 2:
                     (on_pim if op in PIM_OPS else lookup_only).add(_storage(t))
+    read: set[int] = set()  # every tensor the graph reads at all
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            t = _fetch(gm, n.target)
+            if isinstance(t, torch.Tensor):
+                read.add(_storage(t))
     seen: set[int] = set()
     total = pim = 0
     host: list[str] = []
+    unused: list[str] = []
     for name, p in model.named_parameters(remove_duplicate=True):
         if p.dim() < 2:
             continue
@@ -68,12 +77,15 @@ def pim_weight_share(gm: fx.GraphModule, model: torch.nn.Module) -> dict:
         seen.add(s)
         if s in lookup_only and s not in on_pim:
             continue  # embedding table: a host row lookup
+        if s not in read:
+            unused.append(name)  # never read by the decode step (a decoder's cross-attention without encoder states)
+            continue
         total += p.numel()
         if s in on_pim:
             pim += p.numel()
         else:
             host.append(name)
-    return {"pim_params": pim, "matrix_params": total, "share": (pim / total) if total else 1.0, "host_matrices": host[:10]}
+    return {"pim_params": pim, "matrix_params": total, "share": (pim / total) if total else 1.0, "host_matrices": host[:10], "unused_matrices": unused[:10]}
 
 
 def _fetch(gm: fx.GraphModule, target: str):

@@ -143,6 +143,8 @@ def h_attention_anchor(ctx) -> None:
     k_h, v_h = ctx.r.canon(k_h), ctx.r.canon(v_h)
     kh_v, vh_v = _val(k_h), _val(v_h)
     hkv = kh_v.shape[1]
+    # (MQA by SDPA broadcasting, Falcon's one KV head without repeat_kv, is not accepted: the
+    # repeat_kv form nhil::attention_kv computes differs from the broadcast in the last bit, measured)
     nrep = hq // hkv if gqa else nrep_k
     ok = (kh_v.dim() == vh_v.dim() == 4 and tuple(kh_v.shape) == tuple(vh_v.shape) == (b, hkv, s, hd) and nrep_k == nrep_v
           and hkv * nrep == hq and kv.shape[-1] == vv.shape[-1] == hd and qv.dtype == kh_v.dtype == vh_v.dtype == torch.float32)

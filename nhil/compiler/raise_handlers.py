@@ -54,6 +54,9 @@ def h_embedding(ctx: Ctx) -> None:
             raise Mismatch(ctx.nodes[0], "a position embedding with a padding index is not supported")
         ctx.set(b["out"], Marker("pos_embedding", (ctx.param(b["table"]), ids)))
         return
+    if not (isinstance(ids, fx.Node) and ids.op == "placeholder"):
+        # a lookup by computed ids (BART-family learned positions at cache_position + offset): host ATen
+        raise Mismatch(ctx.nodes[0], "embedding lookup by computed ids is not the token embedding")
     ctx.set(b["out"], ctx.emit(nhil.embedding.default, ctx.param(b["table"]), ids))
 
 

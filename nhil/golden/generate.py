@@ -114,6 +114,10 @@ def generate_golden(
             max_new_tokens=T,
             eos_token_id=None,
             pad_token_id=pad if pad is not None else 0,
+            # plain greedy decoding: no logits processor from the checkpoint's generation_config (BART-family
+            # configs force EOS at the last step and BOS at the first, some suppress tokens or penalise repeats)
+            forced_eos_token_id=None, forced_bos_token_id=None, suppress_tokens=None, begin_suppress_tokens=None,
+            no_repeat_ngram_size=0, repetition_penalty=1.0, min_length=0, min_new_tokens=0, bad_words_ids=None,
         )
     except Exception as e:  # noqa: BLE001 - the eager reference itself failed: a clear LOAD_FAIL, not a CRASH
         raise GoldenError(f"cannot generate the golden: eager {cls}.generate failed: {type(e).__name__}: {str(e)[:300]}") from e

@@ -23,6 +23,8 @@ SHRINK: dict[str, int | float] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
     "n_positions": 128, "n_ctx": 128, "ffn_dim": 128, "d_ff": 128, "n_inner": 128, "intermediate_size_mlp": 128,
     "word_embed_proj_dim": 64, "embed_dim": 64, "kv_channels": 16,
+    # encoder-decoder families' decoders (BART, mBART, Marian, Pegasus, ...): head_dim = d_model / heads
+    "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
     # MoE
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
     "moe_topk": 2, "moe_k": 2, "top_k": 2, "moe_intermediate_size": 32, "expert_intermediate_size": 32,
