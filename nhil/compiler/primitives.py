@@ -837,3 +837,7 @@ def _mla_kv_fake(q, kv_latent, k_rope, latent_cache, rope_cache, cache_position,
 def _mla_fake(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale,
               rope_interleave=True, q_lora_rank=None):
     return q.new_empty((*q.shape[:-1], num_heads * v_head_dim))
+
+
+# recurrent-layer primitives (state-space / linear attention) live in their own module
+from nhil.compiler import primitives_recurrent  # noqa: E402,F401  (registers nhil::ssm_state_update, ...)

@@ -500,6 +500,9 @@ ROLE_SUFFIXES: list[tuple[str, str]] = [
 
 # families kept in their own modules register under their exact class names
 HANDLERS.update(DEEPSEEK_HANDLERS)
+from nhil.compiler.raise_recurrent import RECURRENT_HANDLERS  # noqa: E402  (state-space / linear-attention layers)
+
+HANDLERS.update(RECURRENT_HANDLERS)
 
 
 def handler_for(cls: str, path: str = "") -> Callable[[Ctx], None] | None:

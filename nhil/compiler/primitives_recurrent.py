@@ -1,0 +1,186 @@
+"""Graph-IR primitives of recurrent (state-space / linear-attention) layers, registered into the nhil torch library.
+
+The decode step of a hybrid layer is a fixed-size state update plus GEMVs (issue 14).
+Each primitive carries the family's real parameters and a reference kernel written with
+the same torch ops, in the same order and broadcast shapes, as the transformers 5.24
+module's decode branch as it appears in the exported graph, so a raised graph is
+bit-identical to the exported one (``nhil.compiler.check``).
+
+* ``nhil::causal_conv1d_update``: the depthwise short convolution over a rolling window
+  (``modeling_mamba2.causal_conv1d_update``: ``cat(conv_state, x)``, window shifted into
+  the state, ``conv1d(groups=C)``, last position, activation).
+* ``nhil::ssm_state_update``: the Mamba-2 selective state update
+  (``modeling_mamba2.mamba2_selective_state_update`` with ``dt_softplus=True``, called by
+  ``Mamba2Mixer.forward``'s recurrent form): per head ``h`` a scalar decay
+  ``dA_h = exp(softplus(dt_h + dt_bias_h) * A_h)``, ``A = -exp(A_log)``; state
+  ``S_h <- S_h * dA_h + (dt_h * B_g) ⊗ x_h`` ([head_dim, state_size], ``g`` the head's
+  group); output ``y_h = S_h · C_g + D_h * x_h``. ``decay="scalar_per_head"`` names the
+  decay form (Mamba-1's per-channel matrix decay would be another value).
+* ``nhil::rms_norm_gated``: ``MambaRMSNormGated``: ``x * silu(gate)`` then RMSNorm over
+  groups of ``group_size``, times the weight (``norm_before_gate=False`` form).
+
+Layouts follow ``primitives.py``: token-major ``[B, 1, features]`` activations, multi-head
+tensors flat. States keep the cache's shapes: conv ``[B, channels, kernel]``, SSM
+``[B, heads, head_dim, state_size]``; both fp32, mutated in place (``Tensor(a!)``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nhil.compiler.primitives import LIB, _fake, _impl
+
+_SCHEMAS = {
+    "causal_conv1d_update": "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, str activation='silu') -> Tensor",
+    "ssm_state_update": (
+        "ssm_state_update(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor dt_bias, Tensor(a!) state, "
+        "int num_heads, int head_dim, int n_groups, int state_size, str decay='scalar_per_head') -> Tensor"
+    ),
+    "rms_norm_gated": "rms_norm_gated(Tensor x, Tensor gate, Tensor weight, float eps, int group_size) -> Tensor",
+}
+for _schema in _SCHEMAS.values():
+    LIB.define(_schema)
+
+PRIMITIVES = tuple(_SCHEMAS)
+ACTIVATIONS = {"silu": F.silu, "none": None}
+DECAYS = ("scalar_per_head",)
+
+
+@_impl("causal_conv1d_update")
+def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias, activation: str = "silu") -> torch.Tensor:
+    """Short depthwise convolution of one token over the rolling window in ``conv_state``.
+
+    Args:
+        x: [B, 1, C] fp32 (token-major; the module transposes to [B, C, 1]).
+        conv_state: [B, C, K] fp32, mutated: the last K inputs (oldest first).
+        weight: [C, 1, K] (``nn.Conv1d(groups=C).weight``); bias [C] or None.
+        activation: ``"silu"`` or ``"none"``.
+
+    Returns:
+        [B, 1, C] fp32. Source: transformers 5.24 ``modeling_mamba2.causal_conv1d_update``.
+    """
+    h = x.transpose(1, 2)
+    c, k = h.shape[1], conv_state.shape[-1]
+    full = torch.cat([conv_state, h], dim=-1)
+    conv_state.copy_(full[:, :, -k:])
+    out = F.conv1d(full, weight.squeeze(1).unsqueeze(1), bias, padding=0, groups=c)[:, :, -1:]
+    act = ACTIVATIONS[activation]
+    if act is not None:
+        out = act(out)
+    return out.transpose(1, 2).contiguous()
+
+
+def ssm_discretize(x, dt, A_log, B, D, dt_bias, num_heads: int, head_dim: int, n_groups: int, state_size: int):
+    """The decay and input terms of the Mamba-2 update (ops of ``mamba2_selective_state_update``).
+
+    Args: x [1,1,H*hd], dt [1,1,H], A_log [H], B [1,1,G*N], D [H], dt_bias [H] (fp32).
+
+    Returns:
+        ``(hs [1,H,hd], dA [1,H,hd,N], dBx [1,H,hd,N], Dx-factor D [H,hd])``: the state
+        update is ``state * dA + dBx`` and the skip term ``hs * D``.
+    """
+    b = x.shape[0]
+    A = -torch.exp(A_log.float())
+    hs = x.view(b, num_heads, head_dim)
+    dt = dt.transpose(1, 2).expand(-1, -1, head_dim)
+    A = A[:, None, None].expand(-1, head_dim, state_size)
+    B = B.view(b, n_groups, state_size)
+    D = D[:, None].expand(-1, head_dim)
+    dt = dt + dt_bias[:, None].expand(-1, head_dim)
+    dt = F.softplus(dt)[..., None]
+    dA = torch.exp(dt * A)
+    B = B.reshape(b, n_groups, 1, state_size).expand(b, n_groups, num_heads // n_groups, state_size).contiguous().reshape(b, num_heads, 1, state_size)
+    dBx = (dt * B) * hs[..., None]
+    return hs, dA, dBx, D
+
+
+def ssm_c_rows(C, b: int, num_heads: int, n_groups: int, state_size: int) -> torch.Tensor:
+    """C [1,1,G*N] expanded to its heads: [B, H, N] (``mamba2_selective_state_update``)."""
+    C = C.view(b, n_groups, state_size)
+    return C.reshape(b, n_groups, 1, state_size).expand(b, n_groups, num_heads // n_groups, state_size).contiguous().reshape(b, num_heads, state_size)
+
+
+@_impl("ssm_state_update")
+def ssm_state_update_ref(x, dt, A_log, B, C, D, dt_bias, state, num_heads: int, head_dim: int, n_groups: int, state_size: int,
+                         decay: str = "scalar_per_head") -> torch.Tensor:
+    """Mamba-2 selective state update for one token (module docstring).
+
+    Args:
+        x: [B,1,H*hd]; dt: [B,1,H] (before ``dt_bias`` and softplus); A_log, D, dt_bias: [H];
+        B, C: [B,1,G*N]; state: [B,H,hd,N] fp32, mutated to the new state.
+
+    Returns:
+        y [B,1,H*hd] fp32 (before the gated norm). Source: transformers 5.24
+        ``Mamba2Mixer.forward`` (recurrent form) and ``mamba2_selective_state_update``.
+    """
+    b = x.shape[0]
+    hs, dA, dBx, Dh = ssm_discretize(x, dt, A_log, B, D, dt_bias, num_heads, head_dim, n_groups, state_size)
+    new = state * dA + dBx
+    state.copy_(new)
+    c = ssm_c_rows(C, b, num_heads, n_groups, state_size)
+    out = torch.bmm(new.view(b * num_heads, head_dim, state_size), c.view(b * num_heads, state_size, 1)).view(b, num_heads, head_dim)
+    out = out + hs * Dh
+    return out.view(b, 1, -1)
+
+
+@_impl("rms_norm_gated")
+def rms_norm_gated_ref(x, gate, weight, eps: float, group_size: int) -> torch.Tensor:
+    """``weight * groupnorm_rms(x * silu(gate))`` over groups of ``group_size`` (fp32, [B,S,F] -> [B,S,F]).
+
+    Source: transformers 5.24 ``modeling_mamba2.MambaRMSNormGated.forward``.
+    """
+    h = x * F.silu(gate)
+    *lead, last = h.shape
+    g = h.view(*lead, last // group_size, group_size)
+    var = g.pow(2).mean(-1, keepdim=True)
+    g = g * torch.rsqrt(var + eps)
+    return weight * g.view(*lead, last)
+
+
+@_fake("causal_conv1d_update")
+def _conv_fake(x, conv_state, weight, bias, activation="silu"):
+    return torch.empty_like(x)
+
+
+@_fake("ssm_state_update")
+def _ssm_fake(x, dt, A_log, B, C, D, dt_bias, state, num_heads, head_dim, n_groups, state_size, decay="scalar_per_head"):
+    return torch.empty_like(x)
+
+
+@_fake("rms_norm_gated")
+def _norm_gated_fake(x, gate, weight, eps, group_size):
+    return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------- attribute checks (nhil.compiler.attr_checks)
+from nhil.compiler.attr_checks import _at_least, _check, _positive  # noqa: E402
+
+
+@_check("causal_conv1d_update")
+def _conv_attrs(a: dict):
+    if a["activation"] not in ACTIVATIONS:
+        yield "activation", a["activation"], f"must be one of {sorted(ACTIVATIONS)}"
+    w = a["weight"]
+    if isinstance(w, torch.Tensor) and (w.dim() != 3 or w.shape[1] != 1 or w.shape[2] < 1):
+        yield "weight", tuple(w.shape), "must be a depthwise conv weight [channels, 1, kernel >= 1]"
+
+
+@_check("ssm_state_update")
+def _ssm_attrs(a: dict):
+    for n in ("num_heads", "head_dim", "n_groups", "state_size"):
+        yield from _at_least(a, n, 1)
+    h, g = a["num_heads"], a["n_groups"]
+    if isinstance(h, int) and isinstance(g, int) and g >= 1 and h % g:
+        yield "n_groups", g, f"must divide num_heads={h}"
+    if a["decay"] not in DECAYS:
+        yield "decay", a["decay"], f"must be one of {list(DECAYS)}"
+
+
+@_check("rms_norm_gated")
+def _norm_gated_attrs(a: dict):
+    yield from _positive(a, "eps")
+    yield from _at_least(a, "group_size", 1)
+    w = a["weight"]
+    if isinstance(w, torch.Tensor) and isinstance(a["group_size"], int) and a["group_size"] >= 1 and w.shape[-1] % a["group_size"]:
+        yield "group_size", a["group_size"], f"must divide the width {w.shape[-1]}"
