@@ -25,7 +25,7 @@ import operator
 import torch
 
 # importing these modules registers their lowerings in the table
-from nhil.compiler import lower_attention, lower_mla, lower_moe, lower_ops  # noqa: F401
+from nhil.compiler import lower_attention, lower_mla, lower_moe, lower_ops, lower_recurrent  # noqa: F401
 from nhil.compiler.builder import ProgramBuilder
 from nhil.compiler.lowering import LOWERINGS, LowerCtx, numel, where
 from nhil.errors import CompileError

@@ -220,6 +220,9 @@ class QuantReference(torch.fx.Interpreter):
             self.acts[name] = f"act.model.layers.{layer}"
         self.caches: dict[str, torch.Tensor] = {}
         self._captured: dict[str, torch.Tensor] = {}
+        from nhil.golden.quant_recurrent import RecurrentStates
+
+        self.recurrent = RecurrentStates(gm)  # conv / SSM states of hybrid layers (nhil.golden.quant_recurrent)
         self.reset()
 
     # ---------------------------------------------------------------- Runner-like interface
@@ -237,6 +240,8 @@ class QuantReference(torch.fx.Interpreter):
             L = int(self.caches[cache].shape[2])
             self.mla_state[name] = {"k": torch.zeros(L, _lanes_up(r + rope)), "v": torch.zeros(L, r)}
         self.router_logits = []
+        if hasattr(self, "recurrent"):
+            self.recurrent.reset()
 
     def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
         """Run one decode step: token id at cache position ``pos``.
@@ -264,6 +269,8 @@ class QuantReference(torch.fx.Interpreter):
     def get_attr(self, target, args, kwargs):
         if target in self.caches:
             return self.caches[target]
+        if target in self.recurrent.states:
+            return self.recurrent.states[target]
         return super().get_attr(target, args, kwargs)
 
     def run_node(self, n: torch.fx.Node):
@@ -286,6 +293,8 @@ class QuantReference(torch.fx.Interpreter):
             return self._moe(*args, **kwargs)
         if ns == "nhil" and op == "mla_kv" and self.mode == "device":
             return self._mla_kv(*args, **kwargs)
+        if ns == "nhil" and op in ("causal_conv1d_update", "ssm_state_update") and self.mode == "device":
+            return self.recurrent.call(op, args, kwargs)  # bf16-stored states, S·C as a bf16 MAC (quant_recurrent)
         # every other nhil primitive, getitem, and ATen left in the graph (host regions the lowering runs as
         # exported): executed as the graph says, which is what the host does
         return super().call_function(target, args, kwargs)
