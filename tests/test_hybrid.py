@@ -1,0 +1,193 @@
+"""Hybrid / state-space layers (issue 14): recurrent-state export, primitives vs transformers, lowering, tight tier.
+
+References are transformers 5.24's own Mamba-2 functions and modules
+(``modeling_mamba2.mamba2_selective_state_update``, ``causal_conv1d_update``,
+``MambaRMSNormGated``) and the eager decode step of the model itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nhil.compiler import export_decode, raise_graph
+from nhil.compiler.check import check_raised_exact
+from nhil.models import get_model
+from nhil.runtime import host_kernels
+from nhil.verify import VerifyOptions, verify
+
+nhil = torch.ops.nhil
+mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+
+
+def _ssm_inputs(g, H=8, hd=16, G=2, N=16, dt_scale=1.0, bias_shift=0.0):
+    x = torch.randn(1, 1, H * hd, generator=g)
+    dt = torch.randn(1, 1, H, generator=g) * dt_scale
+    A_log = torch.log(torch.arange(1, H + 1, dtype=torch.float32))
+    B, C = torch.randn(1, 1, G * N, generator=g), torch.randn(1, 1, G * N, generator=g)
+    D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.1 + bias_shift
+    return x, dt, A_log, B, C, D, dt_bias
+
+
+@pytest.mark.parametrize("dt_scale,bias_shift", [(1.0, 0.0), (30.0, 20.0), (1.0, -30.0)])  # ordinary; decay -> 0 (dt huge); decay -> 1 (dt ~ 0)
+def test_ssm_state_update_equals_transformers_over_64_steps(dt_scale, bias_shift):
+    """The primitive vs ``mamba2_selective_state_update`` as ``Mamba2Mixer`` calls it, state carried 64 steps from a
+    non-zero start, 2 groups; bit for bit, also at decay extremes."""
+    H, hd, G, N = 8, 16, 2, 16
+    g = torch.Generator().manual_seed(1)
+    s_ref = torch.randn(1, H, hd, N, generator=g)
+    s_nhil = s_ref.clone()
+    for _ in range(64):
+        x, dt, A_log, B, C, D, dt_bias = _ssm_inputs(g, H, hd, G, N, dt_scale, bias_shift)
+        A = -torch.exp(A_log.float())
+        want = mamba2.mamba2_selective_state_update(
+            s_ref, x.view(1, H, hd), dt.transpose(1, 2).expand(-1, -1, hd), A[:, None, None].expand(-1, hd, N), B.view(1, G, N),
+            C.view(1, G, N), D[:, None].expand(-1, hd), z=None, dt_bias=dt_bias[:, None].expand(-1, hd), dt_softplus=True).view(1, 1, -1)
+        got = nhil.ssm_state_update(x, dt, A_log, B, C, D, dt_bias, s_nhil, H, hd, G, N)
+        assert torch.equal(got, want) and torch.equal(s_nhil, s_ref)
+    assert torch.isfinite(s_nhil).all()
+
+
+def test_ssm_state_update_mutations_are_not_equal():
+    """The comparison above can fail: decay applied after the input, or the D skip dropped, differ from transformers."""
+    H, hd, G, N = 8, 16, 1, 16
+    g = torch.Generator().manual_seed(2)
+    x, dt, A_log, B, C, D, dt_bias = _ssm_inputs(g, H, hd, G, N)
+    s = torch.randn(1, H, hd, N, generator=g)
+    from nhil.compiler.primitives_recurrent import ssm_discretize
+
+    _, dA, dBx, _ = ssm_discretize(x, dt, A_log, B, D, dt_bias, H, hd, G, N)
+    right = s * dA + dBx
+    assert not torch.equal((s + dBx) * dA, right)
+    st = s.clone()
+    y = nhil.ssm_state_update(x, dt, A_log, B, C, D, dt_bias, st, H, hd, G, N)
+    st2 = s.clone()
+    y0 = nhil.ssm_state_update(x, dt, A_log, B, C, torch.zeros_like(D), dt_bias, st2, H, hd, G, N)
+    assert torch.equal(st, right) and not torch.equal(y, y0)
+
+
+def test_causal_conv1d_update_equals_transformers_over_64_steps():
+    g = torch.Generator().manual_seed(3)
+    C, K = 40, 4
+    w, bias = torch.randn(C, 1, K, generator=g), torch.randn(C, generator=g)
+    s_ref = torch.randn(1, C, K, generator=g)
+    s_nhil = s_ref.clone()
+    for _ in range(64):
+        x = torch.randn(1, 1, C, generator=g)
+        want = mamba2.causal_conv1d_update(x.transpose(1, 2), s_ref, w.squeeze(1), bias, activation="silu").transpose(1, 2)
+        got = nhil.causal_conv1d_update(x, s_nhil, w, bias, "silu")
+        assert torch.equal(got, want) and torch.equal(s_nhil, s_ref)
+
+
+def test_rms_norm_gated_equals_transformers_module():
+    g = torch.Generator().manual_seed(4)
+    m = mamba2.MambaRMSNormGated(128, group_size=32, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_(generator=g)
+    x, z = torch.randn(1, 1, 128, generator=g), torch.randn(1, 1, 128, generator=g) * 4
+    assert torch.equal(nhil.rms_norm_gated(x, z, m.weight.detach(), 1e-5, 32), m(x, z))
+
+
+def test_mamba2_decode_export_raises_bit_exact_over_64_steps():
+    """Exported decode step (nhil's recurrent-state cache) vs the raised graph, both carrying their own states
+    for 64 tokens from zero: logits and every state bit-identical at every step; the graph is faithful."""
+    model = get_model("mamba2").model
+    ep, _ = export_decode(model, 16)
+    raised = raise_graph(ep, "decode")  # also checks a random non-zero state
+    assert raised.unraised == []
+    assert raised.counts["nhil::ssm_state_update"] == 2 and raised.counts["nhil::causal_conv1d_update"] == 2
+    assert raised.counts["nhil::rms_norm_gated"] == 2 and raised.counts["nhil::linear"] == 5
+    assert sorted(raised.cache_names) == ["conv_state_0", "conv_state_1", "ssm_state_0", "ssm_state_1"]
+    ssm = next(n for n in raised.gm.graph.nodes if n.target == nhil.ssm_state_update.default)
+    assert ssm.args[8:12] == (8, 16, 1, 16)  # heads, head_dim, groups, state size from the config
+    assert tuple(raised.gm.get_buffer("conv_state_0").shape) == (1, 160, 4)  # conv channels I + 2*G*N, kernel 4
+    em = ep.module()
+    for name in raised.cache_names:
+        em.get_buffer(name).zero_()
+        raised.gm.get_buffer(name).zero_()
+    g = torch.Generator().manual_seed(5)
+    for pos in range(64):
+        ids = torch.randint(0, 256, (1, 1), generator=g)
+        with torch.no_grad():
+            want, got = em(input_ids=ids, cache_position=torch.tensor([pos])), raised.gm(ids, torch.tensor([pos]))
+        assert torch.equal(got, want), pos
+    assert all(torch.equal(em.get_buffer(n), raised.gm.get_buffer(n)) for n in raised.cache_names)
+    assert raised.gm.get_buffer("ssm_state_1").abs().max() > 0
+
+
+def test_decode_path_from_zero_state_follows_the_eager_model():
+    """The exported decode path run token by token from zero states predicts what the eager model (chunked prefill
+    form over the whole sequence) predicts: same argmax at every position of a 20-token sequence."""
+    model = get_model("mamba2").model
+    ep, _ = export_decode(model, 16)
+    em = ep.module()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits[0]
+        steps = torch.cat([em(input_ids=ids[:, p : p + 1], cache_position=torch.tensor([p]))[0] for p in range(20)])
+    assert torch.equal(steps.argmax(-1), full.argmax(-1))
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    return dict(goldens_dir=tmp_path / "goldens", runs_dir=tmp_path / "runs")
+
+
+@pytest.mark.sim
+def test_mamba2_verify_passes_on_sim_bit_exact(dirs):
+    rep = verify(VerifyOptions(model="mamba2", target="sim", tokens=16, **dirs))
+    assert rep["outcome"] == "PASS", rep.get("error")
+    assert rep["tight"]["passed"] and rep["tight"]["elements_compared"] > 1000
+
+
+def _wrap(monkeypatch, name, fn):
+    import functools
+
+    real = host_kernels.KERNELS[name]
+    calls = []
+
+    @functools.wraps(real)
+    def mutant(ins, outs, ctx, **a):
+        calls.append(1)
+        return fn(len(calls), real, ins, outs, ctx, **a)
+
+    monkeypatch.setitem(host_kernels.KERNELS, name, mutant)
+
+
+def _caught(rep, layer):
+    assert rep["outcome"] == "MISMATCH", rep.get("error")
+    assert rep["tight"]["passed"] is False
+    fd = rep["tight"]["first_difference"]
+    assert fd["tensor"] == layer, fd
+    assert fd["reference_bits"] != fd["target_bits"]
+
+
+@pytest.mark.sim
+def test_decay_after_input_in_layer_1_is_caught_and_localised(dirs, monkeypatch):
+    """Mutation: layer 1's state update applies the decay after adding the input, ``(S + dBx) * dA``."""
+    from nhil.compiler.primitives_recurrent import ssm_discretize
+    from nhil.runtime.host_recurrent import _t
+
+    def mutated(call, real, ins, outs, ctx, num_heads, head_dim, n_groups, state_size):
+        if call % 2:  # layer 0 (the first ssm_update of each step) stays right
+            return real(ins, outs, ctx, num_heads=num_heads, head_dim=head_dim, n_groups=n_groups, state_size=state_size)
+        x, dt, B, st, a_log, D, dt_bias = ins
+        H, hd, G, N = num_heads, head_dim, n_groups, state_size
+        _, dA, dBx, _ = ssm_discretize(_t(x, 1, 1, H * hd), _t(dt, 1, 1, H), _t(a_log, H), _t(B, 1, 1, G * N), _t(D, H), _t(dt_bias, H), H, hd, G, N)
+        outs[0][:] = ((_t(st, 1, H, hd, N) + dBx) * dA).reshape(-1).numpy()
+
+    _wrap(monkeypatch, "ssm_update", mutated)
+    _caught(verify(VerifyOptions(model="mamba2", target="sim", tokens=8, **dirs)), "model.layers.1")
+
+
+@pytest.mark.sim
+def test_gate_dropped_in_the_gated_norm_is_caught(dirs, monkeypatch):
+    """Mutation: the gated RMSNorm forgets ``silu(gate)`` (plain grouped RMSNorm of x)."""
+    def no_gate(call, real, ins, outs, ctx, eps, group_size):
+        x, _gate, w = ins
+        g = np.full_like(np.asarray(x), 80.0)  # silu(80) == 80 in fp32: the gate is gone up to a scale the norm removes
+        real([x, g, w], outs, ctx, eps=eps, group_size=group_size)
+
+    _wrap(monkeypatch, "rms_norm_gated", no_gate)
+    _caught(verify(VerifyOptions(model="mamba2", target="sim", tokens=8, **dirs)), "model.layers.0")
