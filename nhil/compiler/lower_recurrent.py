@@ -74,9 +74,13 @@ def _conv_update(cx: LowerCtx, node) -> None:
     name = cx.const_name(state)
     rd, new = b.buffer(f"{name}.rd", n), b.buffer(f"{name}.new", n)
     read_flat_state(b, base, n, rd)
-    ins = [cx.arg(x), rd, cx.image(weight)] + ([cx.image(bias)] if bias is not None else [])
+    gates = [node.kwargs.get("in_gate"), node.kwargs.get("out_gate")]
+    if (gates[0] is None) != (gates[1] is None):
+        raise CompileError(f"causal_conv1d_update at {node.name}: in_gate and out_gate come together (LFM2 form) or not at all")
+    ins = [cx.arg(x), rd, cx.image(weight)] + ([cx.image(bias)] if bias is not None else []) + [cx.arg(g) for g in gates if g is not None]
     out = cx.out(node)
-    b.host("conv_state_update", ins, [out, new], channels=c, kernel_size=k, activation=str(activation))
+    b.host("conv_state_update", ins, [out, new], channels=c, kernel_size=k, activation=str(activation), has_bias=bias is not None,
+           gated=gates[0] is not None)
     write_flat_state(b, base, n, new)
     cx.__dict__.setdefault("recurrent_states", {})[name] = {"kind": "conv", "row": base, "elements": c * k}
 

@@ -8,7 +8,8 @@ bit-identical to the exported one (``nhil.compiler.check``).
 
 * ``nhil::causal_conv1d_update``: the depthwise short convolution over a rolling window
   (``modeling_mamba2.causal_conv1d_update``: ``cat(conv_state, x)``, window shifted into
-  the state, ``conv1d(groups=C)``, last position, activation).
+  the state, ``conv1d(groups=C)``, last position, activation); with ``in_gate`` /
+  ``out_gate`` LFM2's gated short conv ``C * conv(B * x)`` (``modeling_lfm2.Lfm2ShortConv``).
 * ``nhil::ssm_state_update``: the Mamba-2 selective state update
   (``modeling_mamba2.mamba2_selective_state_update`` with ``dt_softplus=True``, called by
   ``Mamba2Mixer.forward``'s recurrent form): per head ``h`` a scalar decay
@@ -32,7 +33,10 @@ import torch.nn.functional as F
 from nhil.compiler.primitives import LIB, _fake, _impl
 
 _SCHEMAS = {
-    "causal_conv1d_update": "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, str activation='silu') -> Tensor",
+    "causal_conv1d_update": (
+        "causal_conv1d_update(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, str activation='silu', *, "
+        "Tensor? in_gate=None, Tensor? out_gate=None) -> Tensor"
+    ),
     "ssm_state_update": (
         "ssm_state_update(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor dt_bias, Tensor(a!) state, "
         "int num_heads, int head_dim, int n_groups, int state_size, str decay='scalar_per_head') -> Tensor"
@@ -48,7 +52,8 @@ DECAYS = ("scalar_per_head",)
 
 
 @_impl("causal_conv1d_update")
-def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias, activation: str = "silu") -> torch.Tensor:
+def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias, activation: str = "silu", *,
+                             in_gate=None, out_gate=None) -> torch.Tensor:
     """Short depthwise convolution of one token over the rolling window in ``conv_state``.
 
     Args:
@@ -56,11 +61,15 @@ def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: 
         conv_state: [B, C, K] fp32, mutated: the last K inputs (oldest first).
         weight: [C, 1, K] (``nn.Conv1d(groups=C).weight``); bias [C] or None.
         activation: ``"silu"`` or ``"none"``.
+        in_gate / out_gate: [B, 1, C] or None: LFM2's double gating ``C * conv(B * x)``
+            (``modeling_lfm2.Lfm2ShortConv.slow_forward``): the window holds ``B * x``.
 
     Returns:
         [B, 1, C] fp32. Source: transformers 5.24 ``modeling_mamba2.causal_conv1d_update``.
     """
     h = x.transpose(1, 2)
+    if in_gate is not None:
+        h = in_gate.transpose(1, 2) * h
     c, k = h.shape[1], conv_state.shape[-1]
     full = torch.cat([conv_state, h], dim=-1)
     conv_state.copy_(full[:, :, -k:])
@@ -68,6 +77,8 @@ def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: 
     act = ACTIVATIONS[activation]
     if act is not None:
         out = act(out)
+    if out_gate is not None:
+        out = out_gate.transpose(1, 2) * out
     return out.transpose(1, 2).contiguous()
 
 
@@ -139,7 +150,7 @@ def rms_norm_gated_ref(x, gate, weight, eps: float, group_size: int) -> torch.Te
 
 
 @_fake("causal_conv1d_update")
-def _conv_fake(x, conv_state, weight, bias, activation="silu"):
+def _conv_fake(x, conv_state, weight, bias, activation="silu", *, in_gate=None, out_gate=None):
     return torch.empty_like(x)
 
 

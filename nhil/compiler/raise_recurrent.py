@@ -45,17 +45,36 @@ MAMBA2_SPLIT = [
     ("dt", operator.getitem, (V("split"), 2), None),
 ]
 
-CONV_UPDATE = [
-    ("ct", aten.transpose.int, (V("xbc"), 1, 2), None),
+CONV_CORE = [  # the rolling-window depthwise conv over ``cin`` [B, C, 1] (channel-major)
     ("wsq", aten.squeeze.dim, (V("conv_w"), 1), None),
-    ("cat", aten.cat.default, ([V("conv_state"), V("ct")], -1), None),
+    ("cat", aten.cat.default, ([V("conv_state"), V("cin")], -1), None),
     ("win", aten.slice.Tensor, (V("cat"), 2, V("negK"), INT64_MAX), None),
     ("ccopy", aten.copy_.default, (V("conv_state"), V("win")), None),
     ("wun", aten.unsqueeze.default, (V("wsq"), 1), None),
     ("conv", aten.conv1d.default, (V("cat"), V("wun"), V("conv_b"), [1], [0], [1], V("CD")), None),
     ("last", aten.slice.Tensor, (V("conv"), 2, -1, INT64_MAX), None),
-    ("act", aten.silu.default, (V("last"),), None),
-    ("cout", aten.transpose.int, (V("act"), 1, 2), None),
+]
+
+CONV_UPDATE = (  # Mamba-2: xBC transposed in, SiLU, transposed out
+    [("cin", aten.transpose.int, (V("xbc"), 1, 2), None)]
+    + CONV_CORE
+    + [("act", aten.silu.default, (V("last"),), None), ("cout", aten.transpose.int, (V("act"), 1, 2), None)]
+)
+
+GATED_SHORT_CONV = (  # LFM2: in_proj -> B, C, x; conv over B*x; C * conv; no activation
+    [("t", aten.transpose.int, (V("bcx"), -1, -2), None),
+     ("chunk", aten.chunk.default, (V("t"), 3, -2), None),
+     ("Bg", operator.getitem, (V("chunk"), 0), None),
+     ("Cg", operator.getitem, (V("chunk"), 1), None),
+     ("xg", operator.getitem, (V("chunk"), 2), None),
+     ("cin", aten.mul.Tensor, (V("Bg"), V("xg")), None)]
+    + CONV_CORE
+    + [("y", aten.mul.Tensor, (V("Cg"), V("last")), None), ("out", aten.transpose.int, (V("y"), -1, -2), None)]
+)
+
+INLINE_SWIGLU = [  # LFM2 MLP body ``silu(w1 x) * w3 x`` with F.silu inline (no act_fn module)
+    ("act", aten.silu.default, (V("g"),), None),
+    ("out", aten.mul.Tensor, (V("act"), V("u")), None),
 ]
 
 SSM_SCALAR_DECAY = [
@@ -132,14 +151,15 @@ def _state(ctx: Ctx, old) -> torch.fx.Node:
     return node
 
 
-def conv_update(ctx: Ctx, b: dict, x) -> torch.fx.Node:
-    """Emit ``nhil::causal_conv1d_update`` for a matched :data:`CONV_UPDATE` (channels ``CD``, kernel K)."""
+def conv_update(ctx: Ctx, b: dict, x, activation: str = "silu", **gates) -> torch.fx.Node:
+    """Emit ``nhil::causal_conv1d_update`` for a matched :data:`CONV_CORE` (channels ``CD``, kernel K);
+    ``gates``: ``in_gate`` / ``out_gate`` graph-IR values (LFM2)."""
     cs, ws = _shape(ctx, b["conv_state"], "conv state"), _shape(ctx, b["conv_w"], "conv weight")
     k = cs[-1]
     if not (len(cs) == 3 and cs[0] == 1 and cs[1] == b["CD"] and ws == (b["CD"], 1, k) and b["negK"] == -k):
         raise Mismatch(ctx.nodes[0], f"short conv shapes do not fit: state {cs}, weight {ws}, window slice {b['negK']}, channels {b['CD']}")
     bias = ctx.param(b["conv_b"]) if b["conv_b"] is not None else None
-    return ctx.emit(nhil.causal_conv1d_update.default, x, _state(ctx, b["conv_state"]), ctx.param(b["conv_w"]), bias, "silu")
+    return ctx.emit(nhil.causal_conv1d_update.default, x, _state(ctx, b["conv_state"]), ctx.param(b["conv_w"]), bias, activation, **gates)
 
 
 def h_mamba2_mixer(ctx: Ctx) -> None:
@@ -178,6 +198,25 @@ def h_gated_rms_norm(ctx: Ctx) -> None:
     ctx.set(b["out"], ctx.emit(nhil.rms_norm_gated.default, ctx.tensor(b["x"]), ctx.tensor(b["gate"]), ctx.param(b["w"]), b["eps"], b["gs"]))
 
 
+def h_gated_short_conv(ctx: Ctx) -> None:
+    """LFM2 ``Lfm2ShortConv`` decode region -> narrow x3 of ``in_proj``'s output (B, C, x) and one
+    ``causal_conv1d_update(x, ..., activation='none', in_gate=B, out_gate=C)``."""
+    b = ctx.match([GATED_SHORT_CONV])
+    CD = b["CD"]
+    shp = _shape(ctx, b["bcx"], "in_proj output")
+    if not (isinstance(CD, int) and shp == (1, 1, 3 * CD)):
+        raise Mismatch(ctx.nodes[0], f"short-conv shapes do not fit: in_proj output {shp}, conv channels {CD}")
+    z = ctx.tensor(b["bcx"])
+    bg, cg, xg = (ctx.emit(nhil.narrow.default, z, i * CD, CD) for i in range(3))
+    ctx.set(b["out"], conv_update(ctx, b, xg, "none", in_gate=bg, out_gate=cg))
+
+
+def h_inline_swiglu(ctx: Ctx) -> None:
+    """``silu(g) * u`` written inline in an MLP's forward -> ``nhil::silu_mul`` (same ops as its reference kernel)."""
+    b = ctx.match([INLINE_SWIGLU])
+    ctx.set(b["out"], ctx.emit(nhil.silu_mul.default, ctx.tensor(b["g"]), ctx.tensor(b["u"])))
+
+
 def _residual(ctx: Ctx) -> None:
     from nhil.compiler.raise_handlers import h_residual
 
@@ -189,6 +228,8 @@ RECURRENT_HANDLERS = {
     "Mamba2Mixer": h_mamba2_mixer,
     "MambaRMSNormGated": h_gated_rms_norm,
     "Mamba2Block": _residual,
+    "Lfm2ShortConv": h_gated_short_conv,
+    "Lfm2MLP": h_inline_swiglu,
 }
 
 

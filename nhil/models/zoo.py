@@ -86,6 +86,9 @@ ZOO: dict[str, tuple[str, str, dict, str]] = {
         vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, head_dim=16, num_heads=8,
         n_groups=1, conv_kernel=4, chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2),
         "Mamba-2 SSD: selective state update (8 heads x 16 x state 16, scalar decay per head), short conv 4, gated RMSNorm"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        COMMON, layer_types=["conv", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "LFM2 hybrid: gated short-conv layer (C * conv3(B * x), conv state) + GQA attention layer with QK-norm, SwiGLU"),
 }
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"}
 

@@ -22,18 +22,21 @@ def _t(a, *shape) -> torch.Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float32, copy=True)).reshape(*shape)
 
 
-@kernel("conv_state_update", (3, 4), 2)
-def conv_state_update(inputs, outputs, ctx, channels: int, kernel_size: int, activation: str = "silu"):
+@kernel("conv_state_update", (3, 6), 2)
+def conv_state_update(inputs, outputs, ctx, channels: int, kernel_size: int, activation: str = "silu", has_bias: bool = False, gated: bool = False):
     """``nhil::causal_conv1d_update`` on the host: inputs ``x`` [C], stored state [>= C*K],
-    weight image [C*K] (``[C,1,K]``), optional bias image [C]; outputs ``y`` [C] and the
-    new state [>= C*K] (tail untouched)."""
+    weight image [C*K] (``[C,1,K]``), then the bias image [C] if ``has_bias``, then the
+    ``in_gate`` / ``out_gate`` [C] if ``gated`` (LFM2); outputs ``y`` [C] and the new state
+    [>= C*K] (tail untouched)."""
     from nhil.compiler.primitives_recurrent import causal_conv1d_update_ref
 
     x, st, w = inputs[:3]
+    rest = list(inputs[3:])
     c, k = channels, kernel_size
-    bias = _t(inputs[3], c) if len(inputs) > 3 else None
+    bias = _t(rest.pop(0), c) if has_bias else None
+    gates = {"in_gate": _t(rest[0], 1, 1, c), "out_gate": _t(rest[1], 1, 1, c)} if gated else {}
     state = _t(np.asarray(st)[: c * k], 1, c, k)
-    y = causal_conv1d_update_ref(_t(x, 1, 1, c), state, _t(w, c, 1, k), bias, activation)
+    y = causal_conv1d_update_ref(_t(x, 1, 1, c), state, _t(w, c, 1, k), bias, activation, **gates)
     outputs[0][:] = y.reshape(-1).numpy()
     outputs[1][: c * k] = state.reshape(-1).numpy()
 
