@@ -191,3 +191,53 @@ def test_gate_dropped_in_the_gated_norm_is_caught(dirs, monkeypatch):
 
     _wrap(monkeypatch, "rms_norm_gated", no_gate)
     _caught(verify(VerifyOptions(model="mamba2", target="sim", tokens=8, **dirs)), "model.layers.0")
+
+
+# ------------------------------------------------------------------ LFM2: gated short conv
+
+
+def test_gated_short_conv_equals_transformers_lfm2_module_over_64_steps():
+    """``causal_conv1d_update(in_gate=B, out_gate=C, activation='none')`` + out_proj vs ``Lfm2ShortConv.forward`` (decode branch)
+    with its own cache layer, 64 decode steps from a non-zero conv state: bit for bit."""
+    import transformers
+    from transformers.cache_utils import StaticCache
+
+    cfg = transformers.Lfm2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, layer_types=["conv", "full_attention"])
+    lfm2 = pytest.importorskip("transformers.models.lfm2.modeling_lfm2")
+    torch.manual_seed(7)
+    m = lfm2.Lfm2ShortConv(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3)
+    cache = StaticCache(config=cfg, max_cache_len=4)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        m(torch.randn(1, 1, 32, generator=g), cache=cache)  # lazily allocates the conv state, takes the prefill branch
+        state = cache.layers[0].conv_states[0]
+        state.copy_(torch.randn(state.shape, generator=g))
+        mine = state.clone()
+        for _ in range(64):
+            x = torch.randn(1, 1, 32, generator=g)
+            want = m(x, cache=cache)
+            bcx = m.in_proj(x)
+            y = nhil.causal_conv1d_update(nhil.narrow(bcx, 64, 32), mine, m.conv.weight, None, "none",
+                                          in_gate=nhil.narrow(bcx, 0, 32), out_gate=nhil.narrow(bcx, 32, 32))
+            assert torch.equal(m.out_proj(y), want) and torch.equal(mine, state)
+
+
+def test_lfm2_decode_raising_is_bit_exact_and_faithful():
+    raised = raise_graph(export_decode(get_model("lfm2").model, 16)[0], "decode")
+    assert raised.unraised == []
+    conv = [n for n in raised.gm.graph.nodes if n.target == nhil.causal_conv1d_update.default]
+    assert len(conv) == 1 and conv[0].args[4] == "none" and set(conv[0].kwargs) == {"in_gate", "out_gate"}
+    assert raised.counts["nhil::attention_kv"] == 1 and raised.counts["nhil::silu_mul"] == 2
+    assert sorted(raised.cache_names) == ["conv_state_0", "key_cache_1", "value_cache_1"]
+    assert tuple(raised.gm.get_buffer("conv_state_0").shape) == (1, 64, 3)  # hidden channels x L_cache 3
+
+
+@pytest.mark.sim
+def test_lfm2_verify_passes_on_sim_bit_exact(dirs):
+    rep = verify(VerifyOptions(model="lfm2", target="sim", tokens=16, **dirs))
+    assert rep["outcome"] == "PASS", rep.get("error")
+    assert rep["tight"]["passed"] and rep["tight"]["elements_compared"] > 1000

@@ -62,7 +62,7 @@ def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: 
         weight: [C, 1, K] (``nn.Conv1d(groups=C).weight``); bias [C] or None.
         activation: ``"silu"`` or ``"none"``.
         in_gate / out_gate: [B, 1, C] or None: LFM2's double gating ``C * conv(B * x)``
-            (``modeling_lfm2.Lfm2ShortConv.slow_forward``): the window holds ``B * x``.
+            (``modeling_lfm2.Lfm2ShortConv.forward``): the window holds ``B * x``.
 
     Returns:
         [B, 1, C] fp32. Source: transformers 5.24 ``modeling_mamba2.causal_conv1d_update``.

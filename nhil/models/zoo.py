@@ -89,6 +89,10 @@ ZOO: dict[str, tuple[str, str, dict, str]] = {
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
         COMMON, layer_types=["conv", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
         "LFM2 hybrid: gated short-conv layer (C * conv3(B * x), conv state) + GQA attention layer with QK-norm, SwiGLU"),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        COMMON, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "OLMo hybrid: gated DeltaNet layer (2 key / 4 value heads x 16, conv 4, L2-normed q/k, beta in [0, 2]) + attention layer"),
 }
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"}
 
