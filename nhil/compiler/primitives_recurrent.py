@@ -18,7 +18,13 @@ bit-identical to the exported one (``nhil.compiler.check``).
   group); output ``y_h = S_h · C_g + D_h * x_h``. ``decay="scalar_per_head"`` names the
   decay form (Mamba-1's per-channel matrix decay would be another value).
 * ``nhil::rms_norm_gated``: ``MambaRMSNormGated``: ``x * silu(gate)`` then RMSNorm over
-  groups of ``group_size``, times the weight (``norm_before_gate=False`` form).
+  groups of ``group_size``, times the weight; ``norm_before_gate`` (OLMo-hybrid's output
+  norm): ``w * rmsnorm(x) * silu(gate)`` per group.
+* ``nhil::gated_delta_rule``: gated DeltaNet (``modeling_olmo_hybrid``,
+  ``torch_recurrent_gated_delta_rule``): decay ``exp(-exp(A_log) softplus(a + dt_bias))``,
+  delta-rule correction with ``beta = sigmoid(b) * beta_scale``, L2-normed q/k,
+  key heads shared by ``num_v_heads / num_k_heads`` value heads; ``nhil::concat`` joins
+  the q/k/v projections before their short conv.
 
 Layouts follow ``primitives.py``: token-major ``[B, 1, features]`` activations, multi-head
 tensors flat. States keep the cache's shapes: conv ``[B, channels, kernel]``, SSM
@@ -41,7 +47,12 @@ _SCHEMAS = {
         "ssm_state_update(Tensor x, Tensor dt, Tensor A_log, Tensor B, Tensor C, Tensor D, Tensor dt_bias, Tensor(a!) state, "
         "int num_heads, int head_dim, int n_groups, int state_size, str decay='scalar_per_head') -> Tensor"
     ),
-    "rms_norm_gated": "rms_norm_gated(Tensor x, Tensor gate, Tensor weight, float eps, int group_size) -> Tensor",
+    "rms_norm_gated": "rms_norm_gated(Tensor x, Tensor gate, Tensor weight, float eps, int group_size, bool norm_before_gate=False) -> Tensor",
+    "concat": "concat(Tensor[] xs) -> Tensor",
+    "gated_delta_rule": (
+        "gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, Tensor(a!) state, "
+        "int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim, float beta_scale=1.0, bool qk_l2norm=True) -> Tensor"
+    ),
 }
 for _schema in _SCHEMAS.values():
     LIB.define(_schema)
@@ -136,17 +147,105 @@ def ssm_state_update_ref(x, dt, A_log, B, C, D, dt_bias, state, num_heads: int, 
 
 
 @_impl("rms_norm_gated")
-def rms_norm_gated_ref(x, gate, weight, eps: float, group_size: int) -> torch.Tensor:
+def rms_norm_gated_ref(x, gate, weight, eps: float, group_size: int, norm_before_gate: bool = False) -> torch.Tensor:
     """``weight * groupnorm_rms(x * silu(gate))`` over groups of ``group_size`` (fp32, [B,S,F] -> [B,S,F]).
 
-    Source: transformers 5.24 ``modeling_mamba2.MambaRMSNormGated.forward``.
+    ``norm_before_gate``: ``weight * groupnorm_rms(x) * silu(gate)`` with a per-group weight
+    [group_size] (gated DeltaNet's output norm, one group per value head).
+
+    Source: transformers 5.24 ``modeling_mamba2.MambaRMSNormGated.forward``;
+    ``modeling_olmo_hybrid.OlmoHybridRMSNormGated.forward`` (``norm_before_gate``).
     """
+    if norm_before_gate:
+        *lead, last = x.shape
+        h = x.view(*lead, last // group_size, group_size)
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = weight * (h * torch.rsqrt(var + eps))
+        return (h * F.silu(gate.view(*lead, last // group_size, group_size))).view(*lead, last)
     h = x * F.silu(gate)
     *lead, last = h.shape
     g = h.view(*lead, last // group_size, group_size)
     var = g.pow(2).mean(-1, keepdim=True)
     g = g * torch.rsqrt(var + eps)
     return weight * g.view(*lead, last)
+
+
+@_impl("concat")
+def concat_ref(xs) -> torch.Tensor:
+    """``torch.cat(xs, dim=-1)`` of token-major activations (gated DeltaNet's ``cat(q, k, v)`` before its conv)."""
+    return torch.cat(list(xs), dim=-1)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x*x, -1) + eps)`` (``modeling_olmo_hybrid.l2norm``, FLA's form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def delta_gates(a, b, A_log, dt_bias, beta_scale: float):
+    """Per value head ``beta = sigmoid(b) * beta_scale`` and log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``
+    ([B,1,Hv] each; ``OlmoHybridGatedDeltaNet.forward``)."""
+    beta = b.sigmoid()
+    if beta_scale != 1.0:
+        beta = beta * beta_scale
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return beta, g
+
+
+def delta_qkv(q, k, v, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, qk_l2norm: bool = True):
+    """Head views of q/k/v as ``torch_recurrent_gated_delta_rule`` prepares them: q, k repeated to the value heads,
+    [B, H, 1, d] contiguous fp32, L2-normalised, q scaled by ``1/sqrt(head_k_dim)``."""
+    b = q.shape[0]
+    qh, kh, vh = q.view(b, 1, -1, head_k_dim), k.view(b, 1, -1, head_k_dim), v.view(b, 1, -1, head_v_dim)
+    if num_k_heads != num_v_heads:
+        qh = qh.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        kh = kh.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    qh, kh, vh = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (qh, kh, vh)]
+    if qk_l2norm:
+        qh, kh = l2norm(qh), l2norm(kh)
+    return qh / (qh.shape[-1] ** 0.5), kh, vh
+
+
+@_impl("gated_delta_rule")
+def gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, state, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                         beta_scale: float = 1.0, qk_l2norm: bool = True) -> torch.Tensor:
+    """Gated delta rule for one token (linear attention with a decayed, delta-corrected state).
+
+    Per value head h (key head ``h // (Hv/Hk)``): ``S <- S * exp(g_h)``;
+    ``delta = (v_h - k̂ᵀS) * beta_h``; ``S <- S + k̂ ⊗ delta``; ``o_h = q̂ᵀS`` with k̂, q̂ the
+    L2-normalised key / query (q̂ scaled by ``1/sqrt(dk)``).
+
+    Args:
+        q, k: [B,1,Hk*dk]; v: [B,1,Hv*dv]; a, b: [B,1,Hv] (``a_proj`` / ``b_proj`` outputs);
+        A_log, dt_bias: [Hv]; state: [B,Hv,dk,dv] fp32, mutated.
+        beta_scale: 2.0 when ``linear_allow_neg_eigval`` (beta in [0, 2]).
+
+    Returns:
+        o [B,1,Hv*dv] fp32 (before the output norm). Source: transformers 5.24
+        ``modeling_olmo_hybrid.OlmoHybridGatedDeltaNet.forward`` (decode) and
+        ``torch_recurrent_gated_delta_rule``.
+    """
+    beta, g = delta_gates(a, b, A_log, dt_bias, beta_scale)
+    query, key, value = delta_qkv(q, k, v, num_k_heads, num_v_heads, head_k_dim, head_v_dim, qk_l2norm)
+    beta, decay = [t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (beta, g)]
+    out = torch.zeros_like(value)
+    q_t, k_t, v_t = query[:, :, 0], key[:, :, 0], value[:, :, 0]
+    s = state * decay[:, :, 0].exp()[..., None, None]
+    kv_mem = (s * k_t.unsqueeze(-1)).sum(dim=-2)
+    delta = (v_t - kv_mem) * beta[:, :, 0].unsqueeze(-1)
+    s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+    out[:, :, 0] = (s * q_t.unsqueeze(-1)).sum(dim=-2)
+    state.copy_(s)
+    return out.transpose(1, 2).reshape(q.shape[0], 1, -1)
+
+
+@_fake("concat")
+def _concat_fake(xs):
+    return xs[0].new_empty((*xs[0].shape[:-1], sum(x.shape[-1] for x in xs)))
+
+
+@_fake("gated_delta_rule")
+def _gdr_fake(q, k, v, a, b, A_log, dt_bias, state, num_k_heads, num_v_heads, head_k_dim, head_v_dim, beta_scale=1.0, qk_l2norm=True):
+    return v.new_empty(v.shape)
 
 
 @_fake("causal_conv1d_update")
@@ -160,7 +259,7 @@ def _ssm_fake(x, dt, A_log, B, C, D, dt_bias, state, num_heads, head_dim, n_grou
 
 
 @_fake("rms_norm_gated")
-def _norm_gated_fake(x, gate, weight, eps, group_size):
+def _norm_gated_fake(x, gate, weight, eps, group_size, norm_before_gate=False):
     return torch.empty_like(x)
 
 
@@ -195,3 +294,18 @@ def _norm_gated_attrs(a: dict):
     w = a["weight"]
     if isinstance(w, torch.Tensor) and isinstance(a["group_size"], int) and a["group_size"] >= 1 and w.shape[-1] % a["group_size"]:
         yield "group_size", a["group_size"], f"must divide the width {w.shape[-1]}"
+
+
+@_check("concat")
+def _concat_attrs(a: dict):
+    return iter(())
+
+
+@_check("gated_delta_rule")
+def _gdr_attrs(a: dict):
+    for n in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+        yield from _at_least(a, n, 1)
+    hk, hv = a["num_k_heads"], a["num_v_heads"]
+    if isinstance(hk, int) and isinstance(hv, int) and hk >= 1 and hv % hk:
+        yield "num_k_heads", hk, f"must divide num_v_heads={hv}"
+    yield from _positive(a, "beta_scale")
