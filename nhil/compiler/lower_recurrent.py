@@ -121,6 +121,59 @@ def _ssm_update(cx: LowerCtx, node) -> None:
 @lowering("nhil::rms_norm_gated")
 def _rms_norm_gated(cx: LowerCtx, node) -> None:
     """Gated RMSNorm on the host."""
-    x, gate, w, eps, gs = node.args
+    x, gate, w, eps, gs = node.args[:5]
+    nbg = bool(node.args[5]) if len(node.args) > 5 else False
     out = cx.out(node)
-    cx.b.host("rms_norm_gated", [cx.arg(x), cx.arg(gate), cx.image(w)], [out], eps=float(eps), group_size=int(gs))
+    attrs = {"norm_before_gate": True} if nbg else {}
+    cx.b.host("rms_norm_gated", [cx.arg(x), cx.arg(gate), cx.image(w)], [out], eps=float(eps), group_size=int(gs), **attrs)
+
+
+@lowering("nhil::concat")
+def _concat(cx: LowerCtx, node) -> None:
+    """Concatenation of activations on the host (gated DeltaNet's q/k/v before the short conv)."""
+    out = cx.out(node)
+    cx.b.host("concat", [cx.arg(x) for x in node.args[0]], [out])
+
+
+@lowering("nhil::gated_delta_rule")
+def _gated_delta_rule(cx: LowerCtx, node) -> None:
+    """Gated DeltaNet: state rows ``Sᵀ`` in banks, ``Sᵀ k̂`` and ``S'ᵀ q̂`` on PIM, gates and the update on the host.
+
+    Layout: per key head ``j`` a matrix of ``rep*dv`` rows (value heads ``j*rep ..``, then ``v``) x ``dk`` columns,
+    row ``(h, v)`` = ``S[h, :, v]`` (the state transposed, so both products are broadcast dot products). Per step:
+    ``HOST delta_prep`` (q̂, k̂, decay, beta), GEMV ``Sᵀ k̂`` per key head, ``RD_SBK`` of every row, ``HOST
+    delta_update`` (``S' = S*decay + delta ⊗ k̂``), ``WR_SBK`` of the new rows, GEMV ``S'ᵀ q̂`` -> the output.
+    """
+    q, k, v, a, bb, a_log, dt_bias, state, hk, hv, dk, dv = node.args[:12]
+    beta_scale = float(node.args[12]) if len(node.args) > 12 else 1.0
+    qk_l2norm = bool(node.args[13]) if len(node.args) > 13 else True
+    hk, hv, dk, dv = int(hk), int(hv), int(dk), int(dv)
+    b, d = cx.b, cx.b.d
+    if dk % d.lanes or dk > min(d.cols, d.gb_elems):
+        raise CompileError(f"gated DeltaNet key head dim {dk} must be a multiple of the {d.lanes}-lane burst and fit a row / the global buffer on device {d.name}")
+    rep, name = hv // hk, cx.const_name(state)
+    rows = rep * dv
+    st = cx.const(state)
+    places = [b.place_matrix(f"{name}.k{j}", torch.zeros((rows, dk), device=st.device)) for j in range(hk)]
+    qh, kh, decay, beta = (b.buffer(f"{node.name}.{t}", n) for t, n in (("qhat", hk * dk), ("khat", hk * dk), ("decay", hv), ("beta", hv)))
+    b.host("delta_prep", [cx.arg(q), cx.arg(k), cx.arg(a), cx.arg(bb), cx.image(a_log), cx.image(dt_bias)], [qh, kh, decay, beta],
+           num_k_heads=hk, head_k_dim=dk, beta_scale=beta_scale, qk_l2norm=qk_l2norm)
+    b.invalidate_gb()
+    kvm = b.buffer(f"{node.name}.kvm", hv * dv)
+    for j, p in enumerate(places):
+        b.gemv(p, kh, kvm, x_off=j * dk, y_off=j * rows)
+    rd, new = b.buffer(f"{name}.rd", hv * dv * dk), b.buffer(f"{name}.new", hv * dv * dk)
+    for j, p in enumerate(places):
+        for o in range(rows):
+            ch, bank, row = _row_slot(b, p, o)
+            b.emit(Op.RD_SBK, all_ch=False, ch=ch, bank=bank, row=row, col=0, n=dk // d.lanes, operand=b.operand(rd, (j * rows + o) * dk, dk))
+    b.host("delta_update", [cx.arg(v), kvm, decay, beta, kh, rd], [new], num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv)
+    for j, p in enumerate(places):
+        for o in range(rows):
+            ch, bank, row = _row_slot(b, p, o)
+            for c in range(dk // d.lanes):
+                b.emit(Op.WR_SBK, all_ch=False, ch=ch, bank=bank, row=row, col=c, imm=0xFFFF,
+                       operand=b.operand(new, (j * rows + o) * dk + c * d.lanes, d.lanes))
+    out = cx.out(node)
+    for j, p in enumerate(places):
+        b.gemv(p, qh, out, x_off=j * dk, y_off=j * rows)

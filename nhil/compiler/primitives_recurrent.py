@@ -238,6 +238,26 @@ def gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, state, num_k_heads: int,
     return out.transpose(1, 2).reshape(q.shape[0], 1, -1)
 
 
+def delta_host_prep(q, k, a, b, A_log, dt_bias, num_k_heads: int, head_k_dim: int, beta_scale: float, qk_l2norm: bool = True):
+    """The host half of the device mapping of ``gated_delta_rule`` (``nhil/compiler/lower_recurrent.py``), step 1:
+    per key head ``q̂`` [Hk, dk] (L2-normed, / sqrt(dk)) and ``k̂`` [Hk, dk]; per value head ``decay = exp(g)`` and
+    ``beta`` [Hv] (fp32, the reference kernel's ops on the key heads before their repeat)."""
+    beta, g = delta_gates(a, b, A_log, dt_bias, beta_scale)
+    qh, kh = q.reshape(num_k_heads, head_k_dim), k.reshape(num_k_heads, head_k_dim)
+    if qk_l2norm:
+        qh, kh = l2norm(qh), l2norm(kh)
+    return qh / (head_k_dim ** 0.5), kh, g.reshape(-1).exp(), beta.reshape(-1)
+
+
+def delta_host_update(v, kvm_raw, decay, beta, k_rows, s_t):
+    """Step 2 of the device mapping: the new transposed state ``S'ᵀ`` [Hv, dv, dk] from the stored ``Sᵀ``, the PIM
+    product ``kvm_raw = Sᵀ k̂`` [Hv, dv], ``v`` [Hv, dv], decay / beta [Hv] and ``k_rows`` = k̂ of each value head
+    [Hv, dk]: ``kv_mem = kvm_raw * decay``, ``delta = (v - kv_mem) * beta``, ``S' = S * decay + delta ⊗ k̂`` (fp32)."""
+    d = decay[:, None]
+    delta = (v - kvm_raw * d) * beta[:, None]
+    return s_t * d[..., None] + delta[..., None] * k_rows[:, None, :]
+
+
 @_fake("concat")
 def _concat_fake(xs):
     return xs[0].new_empty((*xs[0].shape[:-1], sum(x.shape[-1] for x in xs)))

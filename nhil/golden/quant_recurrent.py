@@ -8,6 +8,9 @@ Written from the mapping of ``nhil/compiler/lower_recurrent.py`` (``docs/isa.md`
   stores the result rounded to bf16 (RNE);
 * ``nhil::causal_conv1d_update``: the reference kernel on the stored window; the new
   window is stored in bf16;
+* ``nhil::gated_delta_rule``: state stored transposed ``Sᵀ`` in bf16; ``delta_host_prep`` (q̂, k̂,
+  decay, beta, fp32); ``kvm = bf16 MAC(Sᵀ rows, k̂)``; ``S'ᵀ = bf16(delta_host_update(...))``;
+  output ``bf16 MAC(S'ᵀ rows, q̂)``;
 * ``nhil::ssm_state_update``: ``new = stored * dA + dBx`` in fp32 (``ssm_discretize``),
   stored as ``bf16(new)``; ``y_raw = bf16 MAC(bf16(new) rows, C_g)`` per head group
   (``bf16_mac_rows``: C rounded to bf16 in the global buffer, 16-lane pairwise tree,
@@ -20,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-RECURRENT_OPS = ("causal_conv1d_update", "ssm_state_update")
-_STATE_ARG = {"causal_conv1d_update": 1, "ssm_state_update": 7}
+RECURRENT_OPS = ("causal_conv1d_update", "ssm_state_update", "gated_delta_rule")
+_STATE_ARG = {"causal_conv1d_update": 1, "ssm_state_update": 7, "gated_delta_rule": 7}
 
 
 class RecurrentStates:
@@ -57,6 +60,8 @@ class RecurrentStates:
             out = causal_conv1d_update_ref(x, state, *rest, **kwargs)
             state.copy_(round_bf16(state))
             return out
+        if op == "gated_delta_rule":
+            return self._gdr(*args, **kwargs)
         return self._ssm(*args, **kwargs)
 
     @staticmethod
@@ -72,3 +77,18 @@ class RecurrentStates:
         y = bf16_mac_rows(new[0], c)  # [H, hd]: row (h, p) of the state against C of h's group
         out = y.view(1, H, hd) + hs * Dh
         return out.view(1, 1, -1)
+
+    @staticmethod
+    def _gdr(q, k, v, a, b, A_log, dt_bias, state, num_k_heads, num_v_heads, head_k_dim, head_v_dim, beta_scale=1.0, qk_l2norm=True):
+        from nhil.compiler.primitives_recurrent import delta_host_prep, delta_host_update
+        from nhil.golden.quant_reference import bf16_mac_rows, round_bf16
+
+        hk, hv, dk, dv = int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim)
+        qh, kh, decay, beta = delta_host_prep(q, k, a, b, A_log, dt_bias, hk, dk, float(beta_scale), bool(qk_l2norm))
+        rep = hv // hk
+        k_rows, q_rows = kh.repeat_interleave(rep, dim=0), qh.repeat_interleave(rep, dim=0)  # [Hv, dk]
+        s_t = state[0].transpose(1, 2)  # stored Sᵀ [Hv, dv, dk] (bf16 values)
+        kvm = bf16_mac_rows(s_t, k_rows)  # PIM: Sᵀ k̂ per value head
+        new_t = round_bf16(delta_host_update(v.reshape(hv, dv), kvm, decay, beta, k_rows, s_t))
+        state.copy_(new_t.transpose(1, 2).unsqueeze(0))
+        return bf16_mac_rows(new_t, q_rows).reshape(1, 1, hv * dv)  # PIM: S'ᵀ q̂

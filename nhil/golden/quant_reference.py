@@ -69,6 +69,7 @@ import torch.nn.functional as F
 
 from nhil.compiler.primitives import visible_mask
 from nhil.errors import CompileError, RunError
+from nhil.golden.quant_recurrent import RECURRENT_OPS
 
 LANES = 16  # MAC burst width (docs/numerics.md)
 _NAN_BITS = 0x7FC00000
@@ -220,7 +221,7 @@ class QuantReference(torch.fx.Interpreter):
             self.acts[name] = f"act.model.layers.{layer}"
         self.caches: dict[str, torch.Tensor] = {}
         self._captured: dict[str, torch.Tensor] = {}
-        from nhil.golden.quant_recurrent import RecurrentStates
+        from nhil.golden.quant_recurrent import RecurrentStates  # noqa: E402
 
         self.recurrent = RecurrentStates(gm)  # conv / SSM states of hybrid layers (nhil.golden.quant_recurrent)
         self.reset()
@@ -293,7 +294,7 @@ class QuantReference(torch.fx.Interpreter):
             return self._moe(*args, **kwargs)
         if ns == "nhil" and op == "mla_kv" and self.mode == "device":
             return self._mla_kv(*args, **kwargs)
-        if ns == "nhil" and op in ("causal_conv1d_update", "ssm_state_update") and self.mode == "device":
+        if ns == "nhil" and op in RECURRENT_OPS and self.mode == "device":
             return self.recurrent.call(op, args, kwargs)  # bf16-stored states, S·C as a bf16 MAC (quant_recurrent)
         # every other nhil primitive, getitem, and ATen left in the graph (host regions the lowering runs as
         # exported): executed as the graph says, which is what the host does

@@ -65,10 +65,45 @@ def ssm_skip(inputs, outputs, ctx, num_heads: int, head_dim: int):
 
 
 @kernel("rms_norm_gated", 3, 1)
-def rms_norm_gated(inputs, outputs, ctx, eps: float, group_size: int):
-    """``nhil::rms_norm_gated`` on the host: inputs ``x``, ``gate`` [F], weight image [F]; output [F]."""
+def rms_norm_gated(inputs, outputs, ctx, eps: float, group_size: int, norm_before_gate: bool = False):
+    """``nhil::rms_norm_gated`` on the host: inputs ``x``, ``gate`` [F], weight image ([F], or [group_size] when
+    ``norm_before_gate``); output [F]."""
     from nhil.compiler.primitives_recurrent import rms_norm_gated_ref
 
     x, gate, w = inputs
     f = len(x)
-    outputs[0][:] = rms_norm_gated_ref(_t(x, 1, 1, f), _t(gate, 1, 1, f), _t(w, f), eps, group_size).reshape(-1).numpy()
+    out = rms_norm_gated_ref(_t(x, 1, 1, f), _t(gate, 1, 1, f), _t(w, len(w)), eps, group_size, norm_before_gate)
+    outputs[0][:] = out.reshape(-1).numpy()
+
+
+@kernel("concat", (1, None), 1)
+def concat(inputs, outputs, ctx):
+    """``nhil::concat``: the inputs one after the other."""
+    outputs[0][:] = np.concatenate([np.asarray(x, dtype=np.float32) for x in inputs])
+
+
+@kernel("delta_prep", 6, 4)
+def delta_prep(inputs, outputs, ctx, num_k_heads: int, head_k_dim: int, beta_scale: float, qk_l2norm: bool = True):
+    """Gated DeltaNet host step 1 (``primitives_recurrent.delta_host_prep``): inputs ``q``, ``k`` [Hk*dk], ``a``, ``b``
+    [Hv], images A_log, dt_bias [Hv]; outputs ``q̂``, ``k̂`` [Hk*dk], ``decay``, ``beta`` [Hv]."""
+    from nhil.compiler.primitives_recurrent import delta_host_prep
+
+    q, k, a, b, a_log, dt_bias = inputs
+    hv = len(a)
+    res = delta_host_prep(_t(q, 1, 1, -1), _t(k, 1, 1, -1), _t(a, 1, 1, hv), _t(b, 1, 1, hv), _t(a_log, hv), _t(dt_bias, hv),
+                          num_k_heads, head_k_dim, beta_scale, qk_l2norm)
+    for o, r in zip(outputs, res):
+        o[:] = r.reshape(-1).numpy()
+
+
+@kernel("delta_update", 6, 1)
+def delta_update(inputs, outputs, ctx, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int):
+    """Gated DeltaNet host step 2 (``primitives_recurrent.delta_host_update``): inputs ``v`` [Hv*dv], the PIM product
+    ``Sᵀ k̂`` [Hv*dv], ``decay``, ``beta`` [Hv], ``k̂`` [Hk*dk], stored ``Sᵀ`` [Hv*dv*dk]; output the new ``S'ᵀ``."""
+    from nhil.compiler.primitives_recurrent import delta_host_update
+
+    v, kvm, decay, beta, kh, st = inputs
+    hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    k_rows = _t(kh, hk, dk).repeat_interleave(hv // hk, dim=0)
+    new = delta_host_update(_t(v, hv, dv), _t(kvm, hv, dv), _t(decay, hv), _t(beta, hv), k_rows, _t(st, hv, dv, dk))
+    outputs[0][:] = new.reshape(-1).numpy()
