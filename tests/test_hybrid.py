@@ -241,3 +241,73 @@ def test_lfm2_verify_passes_on_sim_bit_exact(dirs):
     rep = verify(VerifyOptions(model="lfm2", target="sim", tokens=16, **dirs))
     assert rep["outcome"] == "PASS", rep.get("error")
     assert rep["tight"]["passed"] and rep["tight"]["elements_compared"] > 1000
+
+
+# ------------------------------------------------------------------ OLMo-hybrid: gated DeltaNet
+
+
+@pytest.mark.parametrize("a_shift,b_shift", [(0.0, 0.0), (30.0, 30.0), (-30.0, -30.0)])  # ordinary; decay -> 0, beta -> 2; decay -> 1, beta -> 0
+def test_gated_delta_rule_equals_transformers_over_64_steps(a_shift, b_shift):
+    """``nhil::gated_delta_rule`` vs ``torch_recurrent_gated_delta_rule`` with the gates as ``OlmoHybridGatedDeltaNet``
+    computes them, 2 key heads shared by 4 value heads, state carried 64 steps from a non-zero start: bit for bit."""
+    oh = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
+    import torch.nn.functional as F
+
+    hk, hv, dk, dv = 2, 4, 16, 16
+    g = torch.Generator().manual_seed(9)
+    A_log, dt_bias = torch.log(torch.rand(hv, generator=g) * 16), torch.randn(hv, generator=g)
+    s_ref = torch.randn(1, hv, dk, dv, generator=g) * 0.1
+    s_nhil = s_ref.clone()
+    for _ in range(64):
+        q, k = torch.randn(1, 1, hk * dk, generator=g), torch.randn(1, 1, hk * dk, generator=g)
+        v = torch.randn(1, 1, hv * dv, generator=g)
+        a, b = torch.randn(1, 1, hv, generator=g) + a_shift, torch.randn(1, 1, hv, generator=g) + b_shift
+        beta = b.sigmoid() * 2.0
+        gg = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+        want, s_ref = oh.torch_recurrent_gated_delta_rule(q.view(1, 1, -1, dk), k.view(1, 1, -1, dk), v.view(1, 1, -1, dv), g=gg, beta=beta,
+                                                          initial_state=s_ref, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        got = nhil.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, s_nhil, hk, hv, dk, dv, 2.0)
+        assert torch.equal(got, want.reshape(1, 1, -1)) and torch.equal(s_nhil, s_ref)
+    assert torch.isfinite(s_nhil).all()
+
+
+def test_norm_before_gate_equals_transformers_module():
+    oh = pytest.importorskip("transformers.models.olmo_hybrid.modeling_olmo_hybrid")
+    g = torch.Generator().manual_seed(10)
+    m = oh.OlmoHybridRMSNormGated(16, eps=1e-5)
+    with torch.no_grad():
+        m.weight.normal_(generator=g)
+    x, z = torch.randn(1, 1, 64, generator=g), torch.randn(1, 1, 64, generator=g)
+    want = m(x.reshape(-1, 16), z.reshape(-1, 16)).reshape(1, 1, -1)
+    assert torch.equal(nhil.rms_norm_gated(x, z, m.weight.detach(), 1e-5, 16, True), want)
+    assert not torch.equal(nhil.rms_norm_gated(x, z, m.weight.detach().repeat(4), 1e-5, 16), want)  # gate-before-norm differs
+
+
+def test_olmo_hybrid_decode_raising_is_bit_exact_and_faithful():
+    raised = raise_graph(export_decode(get_model("olmo_hybrid").model, 16)[0], "decode")
+    assert raised.unraised == []
+    gdr = [n for n in raised.gm.graph.nodes if n.target == nhil.gated_delta_rule.default]
+    assert len(gdr) == 1 and gdr[0].args[8:13] == (2, 4, 16, 16, 2.0)  # key heads, value heads, dk, dv, beta in [0, 2]
+    norm = [n for n in raised.gm.graph.nodes if n.target == nhil.rms_norm_gated.default]
+    assert len(norm) == 1 and norm[0].args[4:6] == (16, True)
+    assert raised.counts["nhil::attention_kv"] == 1 and raised.counts["nhil::causal_conv1d_update"] == 1
+    assert sorted(raised.cache_names) == ["conv_state_0", "key_cache_1", "ssm_state_0", "value_cache_1"]
+    assert tuple(raised.gm.get_buffer("ssm_state_0").shape) == (1, 4, 16, 16)
+
+
+@pytest.mark.sim
+def test_olmo_hybrid_verify_passes_on_sim_bit_exact(dirs):
+    rep = verify(VerifyOptions(model="olmo_hybrid", target="sim", tokens=16, **dirs))
+    assert rep["outcome"] == "PASS", rep.get("error")
+    assert rep["tight"]["passed"] and rep["tight"]["elements_compared"] > 1000
+
+
+@pytest.mark.sim
+def test_delta_rule_beta_dropped_is_caught(dirs, monkeypatch):
+    """Mutation: the host update forgets beta (``delta = v - kv_mem``)."""
+    def no_beta(call, real, ins, outs, ctx, **a):
+        v, kvm, decay, beta, kh, st = ins
+        real([v, kvm, decay, np.ones_like(np.asarray(beta)), kh, st], outs, ctx, **a)
+
+    _wrap(monkeypatch, "delta_update", no_beta)
+    _caught(verify(VerifyOptions(model="olmo_hybrid", target="sim", tokens=8, **dirs)), "model.layers.0")
