@@ -311,3 +311,16 @@ def test_delta_rule_beta_dropped_is_caught(dirs, monkeypatch):
 
     _wrap(monkeypatch, "delta_update", no_beta)
     _caught(verify(VerifyOptions(model="olmo_hybrid", target="sim", tokens=8, **dirs)), "model.layers.0")
+
+
+def test_timing_report_counts_recurrent_state_traffic():
+    """The timing report gives the states' bytes next to the KV cache's: Mamba-2 tiny per layer conv 160 x 4 and
+    SSM 8 x 16 x 16 bf16 values, read once and written once per token."""
+    from nhil.compiler.pipeline import compile as compile_model
+    from nhil.timing.report import analyze
+
+    rep = analyze(compile_model(get_model("mamba2"), "aim-like", max_cache_len=16).program)
+    per_layer = 2 * (160 * 4 + 8 * 16 * 16)
+    assert rep["recurrent_state"] == {"layers": 4, "state_bytes": 2 * per_layer, "round_trip_bytes": 4 * per_layer}
+    assert rep["kv_bytes"] == 0
+    assert rep["instructions_by_kind"]["RD_SBK"] == 2 * (1 + 8 * 16) and rep["exposed_cycles_by_kind"]["WR_SBK"] > 0

@@ -82,7 +82,7 @@ def _conv_update(cx: LowerCtx, node) -> None:
     b.host("conv_state_update", ins, [out, new], channels=c, kernel_size=k, activation=str(activation), has_bias=bias is not None,
            gated=gates[0] is not None)
     write_flat_state(b, base, n, new)
-    cx.__dict__.setdefault("recurrent_states", {})[name] = {"kind": "conv", "row": base, "elements": c * k}
+    cx.__dict__.setdefault("recurrent_states", {})[name] = {"kind": "conv", "rows": [base], "elements": c * k}
 
 
 @lowering("nhil::ssm_state_update")
@@ -114,8 +114,8 @@ def _ssm_update(cx: LowerCtx, node) -> None:
         b.gemv(p, cx.arg(C), y, x_off=g * N, y_off=g * rows)
     out = cx.out(node)
     b.host("ssm_skip", [y, cx.arg(x), cx.image(D)], [out], num_heads=H, head_dim=hd)
-    cx.__dict__.setdefault("recurrent_states", {})[name] = {"kind": "ssm", "rows": [p.rows for p in places], "heads": H, "head_dim": hd,
-                                                             "groups": G, "state_size": N}
+    cx.__dict__.setdefault("recurrent_states", {})[name] = {"kind": "ssm", "rows": [r for p in places for rg in p.rows for r in rg],
+                                                             "elements": H * hd * N, "heads": H, "head_dim": hd, "groups": G, "state_size": N}
 
 
 @lowering("nhil::rms_norm_gated")
@@ -177,3 +177,5 @@ def _gated_delta_rule(cx: LowerCtx, node) -> None:
     out = cx.out(node)
     for j, p in enumerate(places):
         b.gemv(p, qh, out, x_off=j * dk, y_off=j * rows)
+    cx.__dict__.setdefault("recurrent_states", {})[name] = {"kind": "delta", "rows": [r for p in places for rg in p.rows for r in rg],
+                                                             "elements": hv * dk * dv, "k_heads": hk, "v_heads": hv, "head_k_dim": dk, "head_v_dim": dv}
