@@ -324,3 +324,21 @@ def test_timing_report_counts_recurrent_state_traffic():
     assert rep["recurrent_state"] == {"layers": 4, "state_bytes": 2 * per_layer, "round_trip_bytes": 4 * per_layer}
     assert rep["kv_bytes"] == 0
     assert rep["instructions_by_kind"]["RD_SBK"] == 2 * (1 + 8 * 16) and rep["exposed_cycles_by_kind"]["WR_SBK"] > 0
+
+
+def test_shape_only_mamba2_equals_real_compiler():
+    """The shape-only Mamba-2 graph writer (``shape_recurrent``, used by the bench's realistic-size row) lowers to the
+    instruction stream the real compiler produces for the zoo's tiny mamba2, host op for host op."""
+    from nhil.compile import compile_model
+    from nhil.compiler.pipeline import compile_shapes
+    from nhil.compiler.shape_recurrent import Mamba2Shape
+    from nhil.isa.instr import Op
+
+    def key(p):
+        return [(i.op, i.flags, i.ch, i.bank, i.row, i.col, i.n, i.k, p.host_ops[i.imm].kernel if i.op is Op.HOST else i.imm) for i in p.instrs]
+
+    real = compile_model("mamba2")
+    tiny = Mamba2Shape("mamba2-tiny", hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16, vocab_size=256, tie_word_embeddings=False)
+    so = compile_shapes(tiny, real.device, max_cache_len=real.info["max_cache_len"] or 16)
+    assert key(so) == key(real)
+    assert [h.attrs for h in so.host_ops] == [h.attrs for h in real.host_ops]
