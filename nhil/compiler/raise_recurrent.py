@@ -328,13 +328,20 @@ def h_norm_before_gate(ctx: Ctx) -> None:
 
 
 def _residual(ctx: Ctx) -> None:
-    from nhil.compiler.raise_handlers import h_residual
+    from nhil.compiler.raise_handlers import h_residual  # raise_handlers imports this module
 
     h_residual(ctx)
 
 
+def _wrapper(ctx: Ctx) -> None:
+    """The recurrent-cache wrapper's ``cumulative_length.copy_(cache_position[0])`` (attention layers of a hybrid)."""
+    from nhil.compiler.raise_handlers import h_static_cache_wrapper
+
+    h_static_cache_wrapper(ctx)
+
+
 RECURRENT_HANDLERS = {
-    "TorchExportableModuleWithRecurrentCache": lambda ctx: _wrapper(ctx),
+    "TorchExportableModuleWithRecurrentCache": _wrapper,
     "Mamba2Mixer": h_mamba2_mixer,
     "MambaRMSNormGated": h_gated_rms_norm,
     "Mamba2Block": _residual,
@@ -344,8 +351,3 @@ RECURRENT_HANDLERS = {
     "OlmoHybridRMSNormGated": h_norm_before_gate,
 }
 
-
-def _wrapper(ctx: Ctx) -> None:
-    from nhil.compiler.raise_handlers import h_static_cache_wrapper
-
-    h_static_cache_wrapper(ctx)
