@@ -342,3 +342,15 @@ def test_shape_only_mamba2_equals_real_compiler():
     so = compile_shapes(tiny, real.device, max_cache_len=real.info["max_cache_len"] or 16)
     assert key(so) == key(real)
     assert [h.attrs for h in so.host_ops] == [h.attrs for h in real.host_ops]
+
+
+def test_recurrent_primitives_have_lowering_and_attribute_checks():
+    import nhil.compiler.lower  # noqa: F401  (imports every lowering module)
+    from nhil.compiler.attr_checks import ATTR_CHECKS
+    from nhil.compiler.lowering import LOWERINGS
+    from nhil.compiler.primitives import PRIMITIVES
+    from nhil.compiler.primitives_recurrent import PRIMITIVES as REC
+
+    assert set(REC) <= set(PRIMITIVES)
+    for p in REC:
+        assert f"nhil::{p}" in LOWERINGS and f"nhil::{p}" in ATTR_CHECKS

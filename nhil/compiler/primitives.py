@@ -840,4 +840,6 @@ def _mla_fake(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads, kv_lora_ra
 
 
 # recurrent-layer primitives (state-space / linear attention) live in their own module
-from nhil.compiler import primitives_recurrent  # noqa: E402,F401  (registers nhil::ssm_state_update, ...)
+from nhil.compiler import primitives_recurrent  # noqa: E402  (registers nhil::ssm_state_update, ...)
+
+PRIMITIVES = PRIMITIVES + primitives_recurrent.PRIMITIVES
