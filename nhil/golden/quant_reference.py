@@ -39,6 +39,9 @@ node by node in PyTorch, and
   columns ``latent`` stored in bf16 at the position, scores = bf16 MAC of
   ``[q_abs_h ‖ q_rot_h ‖ 0]`` with every key row, host softmax, ``ctx_h`` = bf16 MAC of the
   probabilities with each latent channel over the positions, ``o_h = W_UV_h ctx_h`` (bf16 GEMV).
+* ``nhil::causal_conv1d_update`` / ``ssm_state_update`` / ``gated_delta_rule`` (hybrid layers): states
+  stored in bf16, host updates in fp32, the state products as bf16 MACs
+  (:mod:`nhil.golden.quant_recurrent`, the mapping of ``nhil/compiler/lower_recurrent.py``).
 * every other primitive (embedding, RMSNorm, RoPE, SiLU gating, residual add, ...):
   its own reference kernel (``torch.ops.nhil.*``) in fp32, i.e. the graph IR as is; ATen
   ops left in the graph (host regions) run as exported.
