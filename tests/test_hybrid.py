@@ -354,3 +354,17 @@ def test_recurrent_primitives_have_lowering_and_attribute_checks():
     assert set(REC) <= set(PRIMITIVES)
     for p in REC:
         assert f"nhil::{p}" in LOWERINGS and f"nhil::{p}" in ATTR_CHECKS
+
+
+def test_a_family_whose_cache_cannot_be_shaped_fails_with_a_named_error():
+    """MiniMax keeps a cache of its own: the recurrent-state probe refuses it with a CompileError naming the model
+    class and transformers' reason (EXPORT_FAIL in verify), not a traceback from inside the trace."""
+    import transformers
+
+    from nhil.errors import CompileError
+    from nhil.landscape.tiny_config import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("minimax")).eval()
+    with pytest.raises(CompileError, match=r"recurrent-state cache probe \(one eager step of MiniMaxForCausalLM\) failed: ValueError: MiniMax uses cache of its own"):
+        export_decode(model, 16)
