@@ -45,9 +45,10 @@ class UsageError(NhilError):
     outcome = "USAGE_ERROR"
 
 
-def _show(value) -> str:
+def _show(value, limit: int = 240) -> str:
+    """``repr(value)`` cut at ``limit`` characters (a long path still shows whole; a megabyte of junk does not)."""
     r = repr(value)
-    return r if len(r) <= 80 else r[:77] + "..."
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def check_name(kind: str, value, known) -> str:

@@ -98,7 +98,7 @@ def _fpga_rows(r: dict) -> list:
 from nhil.targets.rtl.bench import format_rows_provider  # noqa: E402  (RTL rows per weight-format family)
 
 ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider, sim_rows]
-SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b"]
+SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "mamba2-1.3b"]  # mamba2: nhil.compiler.shape_recurrent
 
 
 def _before_passes() -> tuple[str, ...]:

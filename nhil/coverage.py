@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 DEFAULT_MODELS = ("llama-tiny", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3",
-                  "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+                  "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "mamba2", "lfm2", "olmo_hybrid")
 
 
 @dataclasses.dataclass

@@ -67,6 +67,10 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
     ``value_cache_<i>`` ``[1, 1, L, qk_rope_head_dim]`` (the RoPE'd shared key), see
     :func:`_shape_mla_cache`.
 
+    Hybrid / state-space models (a cache with linear-attention layers: Mamba-2, gated
+    DeltaNet, ...): :func:`nhil.compiler.export_recurrent.export_recurrent_decode`, with
+    ``conv_state_<i>`` / ``ssm_state_<i>`` buffers next to the attention layers' KV caches.
+
     Raises:
         CompileError: bad ``max_cache_len`` or the export failed.
     """
@@ -86,6 +90,10 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
             max_length=L,
             cache_config={"batch_size": 1, "max_cache_len": L},
         )
+        from nhil.compiler.export_recurrent import export_recurrent_decode, has_recurrent_layers
+
+        if has_recurrent_layers(model.config):  # conv / SSM / linear-attention states: nhil's own cache shaping
+            return export_recurrent_decode(model, L, example), example
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=L)
         if getattr(model.config, "kv_lora_rank", None):
             _shape_mla_cache(wrapper.model, model.config)
@@ -151,7 +159,10 @@ def _shape_cache_as_written(static_module: torch.nn.Module, model: torch.nn.Modu
     """
     from transformers.cache_utils import StaticLayer
 
-    layers = static_module.static_cache.layers
+    cache = getattr(static_module, "static_cache", None)  # the hybrid-cache wrapper (sliding layers) keeps its own shapes
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return
     try:
         with torch.no_grad():
             out = model(input_ids=torch.zeros((1, 1), dtype=torch.long), use_cache=True)

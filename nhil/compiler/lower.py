@@ -25,7 +25,7 @@ import operator
 import torch
 
 # importing these modules registers their lowerings in the table
-from nhil.compiler import lower_attention, lower_mla, lower_moe, lower_ops  # noqa: F401
+from nhil.compiler import lower_attention, lower_mla, lower_moe, lower_ops, lower_recurrent  # noqa: F401
 from nhil.compiler.builder import ProgramBuilder
 from nhil.compiler.lowering import LOWERINGS, LowerCtx, numel, where
 from nhil.errors import CompileError
@@ -81,6 +81,8 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     }
     if getattr(b, "row_use", None):  # shape-only compile (meta weights): used rectangle of every weight row
         info["row_use"] = {int(r): list(u) for r, u in b.row_use.items()}
+    if getattr(cx, "recurrent_states", None):
+        info["recurrent_state"] = cx.recurrent_states  # conv / SSM state rows of hybrid layers (lower_recurrent)
     if cx.moe_info:
         info["moe"] = cx.moe_info  # data-dependent expert dispatch (lower_moe; docs/isa.md runtime section)
     if quant is not None:

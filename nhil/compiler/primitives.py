@@ -839,6 +839,7 @@ def _mla_fake(q, kv_latent, k_rope, cos, sin, kv_b_weight, num_heads, kv_lora_ra
     return q.new_empty((*q.shape[:-1], num_heads * v_head_dim))
 
 
-from nhil.compiler import primitives_attention, primitives_moe  # noqa: E402  (register nhil::moe_experts, attention_scores/values)
+from nhil.compiler import primitives_attention, primitives_moe, primitives_recurrent  # noqa: E402  (register the
+# experts-on-given-routing, eager-attention halves and state-space / linear-attention primitives)
 
-PRIMITIVES = PRIMITIVES + tuple(primitives_moe.SCHEMAS) + tuple(primitives_attention.SCHEMAS)
+PRIMITIVES = PRIMITIVES + tuple(primitives_moe.SCHEMAS) + tuple(primitives_attention.SCHEMAS) + primitives_recurrent.PRIMITIVES

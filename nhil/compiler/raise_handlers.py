@@ -455,6 +455,15 @@ def h_gpt2_model(ctx: Ctx) -> None:
     h_index_arith(ctx)
 
 
+def _recurrent() -> dict:
+    from nhil.compiler.raise_recurrent import RECURRENT_HANDLERS  # state-space / linear-attention layers
+
+    return RECURRENT_HANDLERS
+
+
+RECURRENT = _recurrent()
+
+
 # Raising by pattern: every region is offered to the patterns whose anchor ops it contains, in
 # this order (the most specific first); the first that matches the whole region exactly wins.
 # Module class names play no part: they only name regions in reports. A region no pattern
@@ -479,12 +488,21 @@ PATTERNS: list[tuple[str, Callable[[Ctx], None], frozenset | None]] = [
     ("residual add", h_residual, frozenset({aten.add.Tensor})),
     ("attention", h_attention, frozenset({aten.scaled_dot_product_attention.default, aten.index_copy_.default, aten.matmul.default, aten.view.default, aten.add_.Tensor})),
     ("MLA attention", DEEPSEEK_HANDLERS["DeepseekV3Attention"], None),
+    # recurrent layers (raise_recurrent: shared conv / state-update / delta-rule / gated-norm pieces)
+    ("Mamba-2 mixer", RECURRENT["Mamba2Mixer"], None),  # its pieces (convex regions) need not hold the state write
+    ("gated short conv", RECURRENT["Lfm2ShortConv"], None),  # its pieces (convex regions) need not hold the state write
+    ("gated DeltaNet", RECURRENT["OlmoHybridGatedDeltaNet"], None),  # its pieces (convex regions) need not hold the state write
+    ("gated RMSNorm", RECURRENT["MambaRMSNormGated"], frozenset({aten.rsqrt.default})),
+    ("RMSNorm before gate", RECURRENT["OlmoHybridRMSNormGated"], frozenset({aten.rsqrt.default})),
+    ("inline SwiGLU", RECURRENT["Lfm2MLP"], frozenset({aten.silu.default})),
     ("DeepSeek router", DEEPSEEK_HANDLERS["DeepseekV3TopkRouter"], None),
     ("DeepSeek MoE block", DEEPSEEK_HANDLERS["DeepseekV3MoE"], None),  # needs a raised DeepSeek router: before the generic block
     ("MoE router", h_moe_router, None),
     ("MoE experts", h_moe_experts, None),
     ("MoE block", h_moe_block, None),
 ]
+
+
 
 
 def candidates(ops: set) -> list[tuple[str, Callable[[Ctx], None]]]:

@@ -126,9 +126,14 @@ def compile_shape_only(config: ShapeConfig | str, device: DeviceConfig | str = "
     from nhil.compiler.lower import lower_decode_graph
     from nhil.compiler.shape_graph import decode_graph
 
+    from nhil.compiler import shape_recurrent
+
+    if isinstance(config, str) and config in shape_recurrent.CONFIGS:  # state-space models (Mamba-2): their own graph writer
+        config = shape_recurrent.CONFIGS[config]
     c = CONFIGS[config] if isinstance(config, str) else config
     base = DEVICE_PRESETS[device] if isinstance(device, str) else device
-    prog = lower_decode_graph(decode_graph(c, max_cache_len), dataclasses.replace(base, rows=_UNBOUNDED_ROWS), model_name=c.name, passes=passes)
+    graph = (shape_recurrent.decode_graph if isinstance(c, shape_recurrent.Mamba2Shape) else decode_graph)(c, max_cache_len)
+    prog = lower_decode_graph(graph, dataclasses.replace(base, rows=_UNBOUNDED_ROWS), model_name=c.name, passes=passes)
     d = _devices(base, prog.info["rows_used"])
     row_use = prog.info.get("row_use", {})
     prog.device = d

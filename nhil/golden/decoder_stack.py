@@ -97,6 +97,16 @@ def _n_params(m: torch.nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
+def _hybrid_stack(m: torch.nn.ModuleList) -> bool:
+    """A hybrid model's stack mixes layer classes (OLMo-hybrid: attention and linear-attention decoder layers); it
+    counts as a decoder stack when every block is a transformers ``GradientCheckpointingLayer`` (the decoder-layer base)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    return all(isinstance(c, GradientCheckpointingLayer) for c in m)
+
+
 def find_decoder_stack(model: torch.nn.Module) -> DecoderStack:
     """The token embedding and decoder layers of ``model`` (see the module docstring).
 
@@ -129,7 +139,7 @@ def find_decoder_stack(model: torch.nn.Module) -> DecoderStack:
             continue
         if counts and len(m) not in counts:
             continue
-        if len({type(c) for c in m}) != 1 or _n_params(m) == 0:
+        if (len({type(c) for c in m}) != 1 and not _hybrid_stack(m)) or _n_params(m) == 0:
             continue
         cands.append((_n_params(m), path, m))
     if not cands:

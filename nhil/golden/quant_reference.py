@@ -39,6 +39,9 @@ node by node in PyTorch, and
   columns ``latent`` stored in bf16 at the position, scores = bf16 MAC of
   ``[q_abs_h ‖ q_rot_h ‖ 0]`` with every key row, host softmax, ``ctx_h`` = bf16 MAC of the
   probabilities with each latent channel over the positions, ``o_h = W_UV_h ctx_h`` (bf16 GEMV).
+* ``nhil::causal_conv1d_update`` / ``ssm_state_update`` / ``gated_delta_rule`` (hybrid layers): states
+  stored in bf16, host updates in fp32, the state products as bf16 MACs
+  (:mod:`nhil.golden.quant_recurrent`, the mapping of ``nhil/compiler/lower_recurrent.py``).
 * every other primitive (embedding, RMSNorm, RoPE, SiLU gating, residual add, ...):
   its own reference kernel (``torch.ops.nhil.*``) in fp32, i.e. the graph IR as is; ATen
   ops left in the graph (host regions) run as exported.
@@ -69,6 +72,7 @@ import torch.nn.functional as F
 
 from nhil.compiler.primitives import visible_mask
 from nhil.errors import CompileError, RunError
+from nhil.golden.quant_recurrent import RECURRENT_OPS
 
 LANES = 16  # MAC burst width (docs/numerics.md)
 _NAN_BITS = 0x7FC00000
@@ -220,6 +224,9 @@ class QuantReference(torch.fx.Interpreter):
             self.acts[name] = f"act.model.layers.{layer}"
         self.caches: dict[str, torch.Tensor] = {}
         self._captured: dict[str, torch.Tensor] = {}
+        from nhil.golden.quant_recurrent import RecurrentStates  # noqa: E402
+
+        self.recurrent = RecurrentStates(gm)  # conv / SSM states of hybrid layers (nhil.golden.quant_recurrent)
         self.reset()
 
     # ---------------------------------------------------------------- Runner-like interface
@@ -237,6 +244,8 @@ class QuantReference(torch.fx.Interpreter):
             L = int(self.caches[cache].shape[2])
             self.mla_state[name] = {"k": torch.zeros(L, _lanes_up(r + rope)), "v": torch.zeros(L, r)}
         self.router_logits = []
+        if hasattr(self, "recurrent"):
+            self.recurrent.reset()
 
     def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
         """Run one decode step: token id at cache position ``pos``.
@@ -264,6 +273,8 @@ class QuantReference(torch.fx.Interpreter):
     def get_attr(self, target, args, kwargs):
         if target in self.caches:
             return self.caches[target]
+        if target in self.recurrent.states:
+            return self.recurrent.states[target]
         return super().get_attr(target, args, kwargs)
 
     def run_node(self, n: torch.fx.Node):
@@ -292,6 +303,8 @@ class QuantReference(torch.fx.Interpreter):
             return self._moe_experts(*args, **kwargs)
         if ns == "nhil" and op == "mla_kv" and self.mode == "device":
             return self._mla_kv(*args, **kwargs)
+        if ns == "nhil" and op in RECURRENT_OPS and self.mode == "device":
+            return self.recurrent.call(op, args, kwargs)  # bf16-stored states, S·C as a bf16 MAC (quant_recurrent)
         # every other nhil primitive, getitem, and ATen left in the graph (host regions the lowering runs as
         # exported): executed as the graph says, which is what the host does
         return super().call_function(target, args, kwargs)

@@ -55,6 +55,15 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _first_two_kinds(types) -> list:
+    """Two layer types for a 2-layer tiny model: the first layer's kind, then the first layer of another kind if
+    there is one (a hybrid's ``["linear_attention"] * 3 + ["full_attention"]`` pattern stays hybrid, as its config
+    validators demand), else the first two."""
+    types = list(types)
+    other = next((t for t in types if t != types[0]), None)
+    return [types[0], other] if other is not None else types[:2]
+
+
 def _shrink(cfg) -> None:
     from nhil.golden.decoder_stack import num_layers_of
 
@@ -72,7 +81,7 @@ def _shrink(cfg) -> None:
     if old_layers and old_layers != 2:
         for key, v in list(vars(cfg).items()):
             if isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
-                setattr(cfg, key, type(v)(v[:2]))
+                setattr(cfg, key, type(v)(_first_two_kinds(v) if key == "layer_types" else v[:2]))
     if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
         # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
         for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
@@ -81,6 +90,12 @@ def _shrink(cfg) -> None:
                     setattr(cfg, key, val)
                 except Exception:  # noqa: BLE001
                     pass
+    expand, heads, hd = (getattr(cfg, k, None) for k in ("expand", "num_heads", "head_dim"))
+    if all(_is_num(v) for v in (expand, heads, hd)) and hasattr(cfg, "state_size") and hd and cfg.hidden_size * expand != heads * hd:
+        try:  # Mamba-2 SSD: the inner width hidden*expand is split into num_heads x head_dim
+            cfg.num_heads = int(cfg.hidden_size * expand) // int(hd)
+        except Exception:  # noqa: BLE001
+            pass
     vocab = getattr(cfg, "vocab_size", 256)
     for key in _TOKEN_IDS:
         v = getattr(cfg, key, None)

@@ -90,6 +90,9 @@ def _read_config(path: Path):
         raise SetupError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file") from None
     if not isinstance(d, dict):
         raise SetupError(f"{path} holds a JSON {type(d).__name__}, not a config object; give a transformers config.json")
+    from transformers import PretrainedConfig
+
+    d = PretrainedConfig._decode_special_floats(d)  # {"__float__": "Infinity"} as to_json_string writes it (Mamba-2 time_step_limit)
     mt = d.get("model_type")
     if not isinstance(mt, str) or not mt:
         raise SetupError(f"{path} has no \"model_type\" key; add the transformers model type (e.g. \"llama\") to the config")

@@ -81,6 +81,18 @@ ZOO: dict[str, tuple[str, str, dict, str]] = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0}),
         "attention sinks, sliding/full, YaRN, top-k -> softmax router with bias, clamped SwiGLU experts"),
+    # hybrids / state-space models (issue 14): decode through nhil's recurrent-state cache (nhil.compiler.export_recurrent)
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, head_dim=16, num_heads=8,
+        n_groups=1, conv_kernel=4, chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "Mamba-2 SSD: selective state update (8 heads x 16 x state 16, scalar decay per head), short conv 4, gated RMSNorm"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        COMMON, layer_types=["conv", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "LFM2 hybrid: gated short-conv layer (C * conv3(B * x), conv state) + GQA attention layer with QK-norm, SwiGLU"),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+        COMMON, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "OLMo hybrid: gated DeltaNet layer (2 key / 4 value heads x 16, conv 4, L2-normed q/k, beta in [0, 2]) + attention layer"),
 }
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"}
 

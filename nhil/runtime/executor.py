@@ -25,7 +25,7 @@ import numpy as np
 from nhil.errors import RunError
 from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Op
 from nhil.isa.program import Program
-from nhil.numerics.bf16 import f32_to_bf16_bits
+from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from nhil.runtime.host_kernels import KERNELS
 from nhil.targets.base import ResolvedInstr, Target
 
@@ -194,6 +194,6 @@ class Runner:
                     if OPINFO[r.instr.op].data_out:
                         o = self.p.operands[r.instr.operand]
                         data = next(it)
-                        if r.instr.op is Op.RD_SBK:
-                            data = data.astype(np.float32)
+                        if r.instr.op is Op.RD_SBK:  # bank words are bf16 bits: decode them (docs/isa.md RD_SBK)
+                            data = bf16_bits_to_f32(np.asarray(data, dtype=np.uint16))
                         self.bufs[o.buffer][o.offset : o.offset + o.count] = data[: o.count]

@@ -33,6 +33,19 @@ def kv_bytes(program: Program) -> int:
     return total
 
 
+def recurrent_state_bytes(program: Program) -> dict:
+    """Per-token traffic of the recurrent states of hybrid layers (``info["recurrent_state"]``, ``lower_recurrent``).
+
+    Returns ``{"layers", "state_bytes", "round_trip_bytes"}``: the bf16 state bytes (conv + SSM / delta-rule),
+    and the bytes the host read-modify-write moves over the external bus per token (each state read once with
+    ``RD_SBK`` and written once with ``WR_SBK``: 2 x state bytes). The PIM products against the states are GEMV
+    segments and counted there.
+    """
+    st = program.info.get("recurrent_state") or {}
+    sb = sum(2 * int(v["elements"]) for v in st.values())
+    return {"layers": len(st), "state_bytes": sb, "round_trip_bytes": 2 * sb}
+
+
 def controller_for(program: Program) -> bool:
     """``inorder`` for a program: in order iff it went through a ``pipeline.PassManager`` without ``gb-overlap`` (``nhil.compiler.schedule``)."""
     ps = program.info.get("passes")
@@ -104,6 +117,7 @@ def analyze(program: Program, table: TimingTable | None = None, pos: int | None 
         "step_bytes": step_bytes,
         "weight_bytes": weights,
         "kv_bytes": kvb,
+        "recurrent_state": recurrent_state_bytes(program),
         "achieved_step_gbs": step_bytes / ns if ns else 0.0,
         "roofline": {
             "pim_peak_tokens_per_s": peak * 1e9 / step_bytes if step_bytes else 0.0,

@@ -551,7 +551,8 @@ class Board:
             if self.state != 1:
                 raise ReqError(P.E_STATE, "LOAD_END without LOAD_PROGRAM")
             if (nbytes, nwrites, crc) != (self.load_bytes, self.load_writes, self.load_crc):
-                self.state = 0
+                # refused without touching the load in progress: a forged or replayed LOAD_END cannot abort it, and
+                # only a LOAD_END whose counts and CRC match what the board received ever commits
                 raise ReqError(P.E_LOAD_CHECK, f"load check failed: host sent {nwrites} writes / {nbytes} B / crc 0x{crc:08x}, board received {self.load_writes} / {self.load_bytes} B / 0x{self.load_crc:08x}")
             self.backend.commit()
             self.state = 2
