@@ -213,7 +213,10 @@ def emit_host(ctx, nodes: list[fx.Node], done: dict | None = None) -> dict[fx.No
             or an input from an unraised region.
     """
     local: dict[fx.Node, fx.Node] = dict(done or {})
-    for n in nodes:  # every op must be allowed before anything is emitted
+    # every op must be allowed before anything is emitted; a product over a weight or cache is named
+    # before a cache write (it says what the region is: Bloom's ALiBi baddbmm, not StaticCache's index_copy_)
+    nodes_checked = sorted(nodes, key=lambda n: n.target not in PRODUCTS)
+    for n in nodes_checked:
         if n.target is operator.getitem or (n.target == aten.linear.default and _is_weight(ctx.r, n.args[1])):
             continue
         if not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace != "aten":

@@ -456,9 +456,20 @@ def h_gpt2_model(ctx: Ctx) -> None:
 
 
 def _recurrent() -> dict:
+    """The recurrent-layer patterns (``raise_recurrent``), each offered only to programs that keep a
+    recurrent state (``conv_state_<i>`` / ``ssm_state_<i>`` buffers): their pieces are short and
+    would otherwise claim look-alike regions of other models (a MoE block's head reshape)."""
     from nhil.compiler.raise_recurrent import RECURRENT_HANDLERS  # state-space / linear-attention layers
 
-    return RECURRENT_HANDLERS
+    def guarded(h):
+        def run(ctx: Ctx) -> None:
+            if not any(str(f).startswith(("conv_state_", "ssm_state_")) for f in ctx.r.fqn.values()):
+                raise Mismatch(ctx.nodes[0], "no recurrent state in this program")
+            h(ctx)
+
+        return run
+
+    return {k: guarded(h) for k, h in RECURRENT_HANDLERS.items()}
 
 
 RECURRENT = _recurrent()
