@@ -97,6 +97,8 @@ class QuantPlan:
         overrides: (pattern, format) pairs, first match wins.
         lm_head: graph constant name of the logits linear's weight (for the ``lm_head`` pattern).
         native: HF name -> QTensor holding the checkpoint's own blocks (``native`` only).
+        refused: HF name -> NativeRefusal of a pre-quantized checkpoint (``native`` on it is a CompileError).
+        activations: a pre-quantized checkpoint's activation scheme that the weight-only MAC does not apply.
         assigned: filled while lowering: HF name -> format name used.
     """
 
@@ -105,6 +107,8 @@ class QuantPlan:
     overrides: list[tuple[str, str]]
     lm_head: str | None = None
     native: dict[str, QTensor] | None = None
+    refused: dict = dataclasses.field(default_factory=dict)
+    activations: str | None = None
     assigned: dict[str, str] = dataclasses.field(default_factory=dict)
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -123,6 +127,8 @@ class QuantPlan:
         hn = hf_name(const_name)
         qt = None
         if fmt == "native":
+            if hn in self.refused:
+                raise CompileError(self.refused[hn].message())
             qt = (self.native or {}).get(hn)
         elif fmt != "bf16":
             w = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
@@ -135,7 +141,10 @@ class QuantPlan:
         return qt
 
     def describe(self) -> dict:
-        return {"recipe": self.recipe, "base": self.base, "overrides": [f"{p}={f}" for p, f in self.overrides], "assigned": dict(self.assigned)}
+        d = {"recipe": self.recipe, "base": self.base, "overrides": [f"{p}={f}" for p, f in self.overrides], "assigned": dict(self.assigned)}
+        if self.activations:
+            d["activations_not_applied"] = f"checkpoint quantizes activations ({self.activations}); nhil runs them in bf16 (weight-only MAC)"
+        return d
 
 
 def lm_head_weight(gm) -> str | None:
@@ -153,18 +162,22 @@ def lm_head_weight(gm) -> str | None:
     return None
 
 
-def build_plan(recipe: str, gm=None, gguf_path: str | Path | None = None, model=None) -> QuantPlan:
-    """A QuantPlan for ``recipe``; ``native`` needs the GGUF file and the loaded ``model``.
+def build_plan(recipe: str, gm=None, gguf_path: str | Path | None = None, model=None, checkpoint=None) -> QuantPlan:
+    """A QuantPlan for ``recipe``; ``native`` needs the GGUF file and the loaded ``model``, or a pre-quantized
+    checkpoint's ``checkpoint`` (:class:`nhil.models.prequant.NativeWeights`, ``ModelBundle.native``).
 
     Raises:
-        CompileError: bad recipe, or ``native`` without a GGUF checkpoint.
+        CompileError: bad recipe, or ``native`` without a GGUF or pre-quantized checkpoint.
     """
     base, overrides = parse_recipe(recipe)
     plan = QuantPlan(recipe, base, overrides, lm_head=lm_head_weight(gm) if gm is not None else None)
     if base == "native" or any(f == "native" for _, f in overrides):
-        if gguf_path is None:
-            raise CompileError("QUANT=native keeps a GGUF checkpoint's own formats, but this model was not loaded from a GGUF file")
-        plan.native = native_gguf_weights(gguf_path, model)
+        if checkpoint is not None:
+            plan.native, plan.refused, plan.activations = checkpoint.tensors, checkpoint.refused, checkpoint.activations
+        elif gguf_path is None:
+            raise CompileError("QUANT=native keeps a checkpoint's own formats, but this model was loaded neither from a GGUF file nor from a pre-quantized folder")
+        else:
+            plan.native = native_gguf_weights(gguf_path, model)
     return plan
 
 
