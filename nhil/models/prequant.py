@@ -201,10 +201,10 @@ def _ct_one(name: str, fmt: str, w: dict, ts: _Tensors, n: int, k: int):
         if kind != "int" or bits != 4:
             return refuse(f"only 4-bit packing has an nhil format (int4 groups); this is {kind}{bits}")
         g = w.get("group_size")
+        if strat == "group" and (not isinstance(g, int) or g <= 0 or k % g):
+            raise _bad(name, f"group size {g} does not divide K = {k}", "fix group_size in config.json's quantization_config")
         if strat != "group" or g not in (32, 64, 128):
             return refuse(f"nhil's int4 groups are 32/64/128 along K; this is strategy {strat}" + (f" group {g}" if g else ""))
-        if k % g:
-            raise _bad(name, f"group size {g} does not divide K = {k}")
         packed = ts.get(p + "weight_packed")
         _expect_shape(p + "weight_packed", packed, (n, -(-k // 8)), "packed int4 weight")
         _expect_shape(p + "weight_scale", scale_t, (n, k // g), "group scale")
