@@ -247,7 +247,7 @@ def test_rtl_does_not_claim_the_prequant_formats():
 
     assert RTL_FORMATS == frozenset({"bf16", *FORMATS}) and not (RTL_FORMATS & set(PREQUANT))
     assert set(PREQUANT) == {"int4-g32-f32s", "int4-g64-f32s", "int4-g128-f32s", "int4-g32-asym-f32s", "int4-g64-asym-f32s",
-                             "int4-g128-asym-f32s", "fp8-e4m3-b32", "fp8-e4m3-b64", "fp8-e4m3-b128", "nvfp4-gs"}
+                             "int4-g128-asym-f32s", "fp8-e4m3-b16", "fp8-e4m3-b32", "fp8-e4m3-b64", "fp8-e4m3-b128", "nvfp4-gs"}
 
 
 @pytest.mark.parametrize("target", ["rtl", "fpga"])

@@ -82,6 +82,8 @@ class ProgramBuilder:
         self._gb: tuple | None = None  # (buffer, offset, count) currently in every channel's GB at col 0
         self.placements: dict[str, MatrixPlacement] = {}
         self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
+        self.kv_formats: set[str] = set()  # formats of KV-cache rows (fp8 KV cache), for info["weight_formats"]
+        self.raw_buffers: set[str] = set()  # buffers sent as raw 16-bit words (fp8 KV rows), info["raw_buffers"]
         self._wfmt = 0  # CFR W_FMT value in effect (0 = bf16, the reset value)
         self._want_wfmt = 0  # W_FMT the next MAC needs (gemv of a quantized matrix sets it)
         from nhil.compiler.schedule import PIPELINE
@@ -116,6 +118,13 @@ class ProgramBuilder:
         if (op is Op.MAC_AB or op is Op.MAC_SB) and self._want_wfmt != self._wfmt:
             self.set_wfmt(self._want_wfmt)
         self.instrs.append(Instr(op, flags | (ALL_CH if all_ch else 0), ch, bank, row, col, n, operand, k, imm))
+
+    def want_wfmt(self, code: int, name: str | None = None) -> None:
+        """The format the next MACs read rows in (0 = bf16), for rows this builder did not place (fp8 KV cache);
+        ``name`` is recorded in ``kv_formats`` so the program's ``info["weight_formats"]`` lists it."""
+        self._want_wfmt = int(code)
+        if name:
+            self.kv_formats.add(name)
 
     def set_wfmt(self, code: int) -> None:
         """SET_CFR W_FMT (all channels): the format MACs read weight rows in. bf16-only programs never emit it."""

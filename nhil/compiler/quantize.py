@@ -9,7 +9,9 @@ A recipe string is ``<base>[:<pattern>=<format>[,<pattern>=<format>...]]``:
 * overrides, first match wins: ``<pattern>`` is ``lm_head`` (the linear producing the
   logits, tied to the embedding in SmolLM2) or an ``fnmatch`` pattern over the weight's
   Hugging Face name (``model.layers.3.mlp.down_proj.weight``); ``<format>`` is ``bf16``,
-  ``native`` or a format name. Example: ``mxfp4:lm_head=bf16,*.down_proj.*=mxfp8``.
+  ``native`` or a format name. Example: ``mxfp4:lm_head=bf16,*.down_proj.*=mxfp8``;
+* ``kv_cache=fp8`` (the pattern ``kv_cache``): the KV cache in E4M3 with per-head scales
+  (``nhil.numerics.kv_fp8``), e.g. ``bf16:kv_cache=fp8`` (``verify --kv-cache fp8`` adds it).
 
 ``native`` keeps a GGUF checkpoint's own blocks (``gguf.GGUFReader``) bit for bit: each
 linear whose GGUF tensor is Q8_0/Q4_0/Q4_1 is stored as those bytes (row order mapped
@@ -50,6 +52,9 @@ RECIPES: dict[str, dict] = {
 }
 
 
+KV_CACHE = ("bf16", "fp8")  # ``kv_cache=<x>`` override: the KV cache's storage (fp8: nhil.numerics.kv_fp8)
+
+
 def hf_name(const_name: str) -> str:
     """Graph constant name -> Hugging Face parameter name (drops the export wrapper's ``model.`` prefix)."""
     return const_name[len("model.") :] if const_name.startswith("model.model.") or const_name.startswith("model.lm_head") else const_name
@@ -69,7 +74,10 @@ def parse_recipe(text: str) -> tuple[str, list[tuple[str, str]]]:
         if not eq or not pat or not fmt:
             raise CompileError(f"bad quantization override {item!r} in {text!r}: use <pattern>=<format>, e.g. lm_head=bf16")
         overrides.append((pat.strip(), fmt.strip()))
-    for f in [base, *(f for _, f in overrides)]:
+    for pat, f in overrides:
+        if pat == "kv_cache" and f not in KV_CACHE:
+            raise CompileError(f"QUANT={text!r}: kv_cache={f!r}: the KV cache is one of {', '.join(KV_CACHE)}")
+    for f in [base, *(f for p, f in overrides if p != "kv_cache")]:
         _check_format(f, text)
     return base, overrides
 
@@ -115,9 +123,22 @@ class QuantPlan:
     def format_for(self, const_name: str) -> str:
         hn = hf_name(const_name)
         for pat, fmt in self.overrides:
+            if pat == "kv_cache":
+                continue
             if (pat == "lm_head" and const_name == self.lm_head) or fnmatch.fnmatchcase(hn, pat) or fnmatch.fnmatchcase(const_name, pat):
                 return _fmt_of(fmt)
         return _fmt_of(self.base)
+
+    @property
+    def kv_cache(self) -> str:
+        """Storage of the KV cache: ``bf16`` or ``fp8`` (the ``kv_cache=fp8`` override, ``--kv-cache fp8``)."""
+        return next((f for p, f in self.overrides if p == "kv_cache"), "bf16")
+
+    def kv_scales(self, layer: int, kv_heads: int):
+        """(k, v) scales float32 [kv_heads] of an fp8 cache's layer: 1.0 per head (vLLM's default without calibrated
+        ``k_scale``/``v_scale``; a checkpoint's calibrated scales are not read yet)."""
+        one = np.ones(kv_heads, np.float32)
+        return one, one.copy()
 
     def weight(self, const_name: str, tensor) -> QTensor | None:
         """The stored form of a linear's weight: a QTensor, or None for bf16."""

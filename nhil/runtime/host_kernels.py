@@ -281,3 +281,4 @@ def mla_pack(inputs, outputs, ctx, num_heads: int, kv_lora_rank: int, qk_rope_he
     outputs[1][:] = 0.0
     outputs[1][:r] = latent
     outputs[1][r : r + rope] = krot
+from nhil.runtime import host_kv_fp8 as _host_kv_fp8  # noqa: E402,F401 - registers the FP8 KV-cache kernels

@@ -12,7 +12,7 @@ formats of their own:
   compressed-tensors stores ``q in [-8, 7]`` as the nibble ``q + 8`` (``pack_to_int32``)
   and a signed zero point ``z_ct``; here ``u = q + 8`` and ``z = z_ct + 8`` (u8), so
   ``u - z = q - z_ct`` exactly. MAC: ``e = u - 8`` / ``u - z``, ``c1 = s``.
-* ``fp8-e4m3-b{32,64,128}`` — FP8 E4M3FN weights with 2-D block scales (DeepSeek-V3 /
+* ``fp8-e4m3-b{16,32,64,128}`` — FP8 E4M3FN weights with 2-D block scales (DeepSeek-V3 /
   Qwen3 FP8 ``weight_scale_inv`` with ``weight_block_size [bn, bk]``; compressed-tensors
   ``float-quantized`` strategy ``block``): ``w[r, k] = e4m3(q[r, k]) * S[r // bn, k // bk]``.
   A bank row holds one output row, so the record of block ``b`` of row ``r`` is the fp32
@@ -168,5 +168,6 @@ class NVFP4GlobalScale(WeightFormat):
 
 INT4_F32S = {(g, a): Int4GroupF32Scale(g, a, 0x40 + i) for i, (g, a) in enumerate((g, a) for a in (False, True) for g in (32, 64, 128))}
 FP8_BLOCK = {bk: FP8Block(bk, 0x46 + i) for i, bk in enumerate((32, 64, 128))}
+FP8_BLOCK[16] = FP8Block(16, 0x4A)  # the fp8 KV cache's K rows of 16-element heads (nhil.numerics.kv_fp8)
 NVFP4_GS = NVFP4GlobalScale()
 PREQUANT_FORMATS: list[WeightFormat] = [*INT4_F32S.values(), *FP8_BLOCK.values(), NVFP4_GS]
