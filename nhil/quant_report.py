@@ -162,7 +162,9 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
             "worst_layer_cosine": layer_cos,
             "weight_bytes": int(wbytes),
             "bits_per_weight": 8 * wbytes / max(1, n_w),
-            "decode_bytes_per_token": int(wbytes + kv_bytes),
+            "kv_cache": prog.info.get("kv_cache", "bf16"),
+            "kv_bytes_per_token": int(_kv_bytes(prog, cfg, head_dim, mean_ctx, kv_bytes)),
+            "decode_bytes_per_token": int(wbytes + _kv_bytes(prog, cfg, head_dim, mean_ctx, kv_bytes)),
             "seconds": round(time.perf_counter() - t1, 1),
             **ref_cols,
         }
@@ -213,6 +215,15 @@ def _previous_rows(output, model: str, weights_id: str, prompts: list[str], toke
         return {}, None
     when = old.get("simulator_columns_from") or f"{old.get('date')}, {old.get('seconds', 0):.0f} s"
     return {r["recipe"]: r for r in old.get("rows", [])}, when
+
+
+def _kv_bytes(prog, cfg, head_dim: int, mean_ctx: float, bf16_bytes: float) -> float:
+    """KV-cache bytes read per decoded token at the mean context: the bf16 cache's, or for an fp8 cache
+    (``nhil.numerics.kv_fp8``) per layer and position K ``hkv * (hd + 4)`` (codes + per-head fp32 scale) plus V ``hkv * hd``."""
+    if prog.info.get("kv_cache") != "fp8":
+        return bf16_bytes
+    hkv = cfg.num_key_value_heads
+    return cfg.num_hidden_layers * (hkv * (head_dim + 4) + hkv * head_dim) * mean_ctx
 
 
 def _assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0, sim_from: str | None = None) -> dict:

@@ -55,6 +55,25 @@ RECIPES: dict[str, dict] = {
 KV_CACHE = ("bf16", "fp8")  # ``kv_cache=<x>`` override: the KV cache's storage (fp8: nhil.numerics.kv_fp8)
 
 
+def with_kv_cache(recipe: str, kv_cache: str) -> str:
+    """``recipe`` with the KV-cache storage ``kv_cache`` (``bf16`` leaves it unchanged): ``int8`` + ``fp8`` ->
+    ``int8:kv_cache=fp8``; ``mxfp4:lm_head=bf16`` + ``fp8`` -> ``mxfp4:lm_head=bf16,kv_cache=fp8``.
+
+    Raises:
+        CompileError: ``kv_cache`` not in :data:`KV_CACHE`, or the recipe already names another one.
+    """
+    if kv_cache not in KV_CACHE:
+        raise CompileError(f"--kv-cache {kv_cache!r}: the KV cache is one of {', '.join(KV_CACHE)}")
+    base, overrides = parse_recipe(recipe)
+    have = next((f for p, f in overrides if p == "kv_cache"), None)
+    if have is not None and have != kv_cache:
+        raise CompileError(f"--kv-cache {kv_cache} contradicts QUANT={recipe!r} (kv_cache={have})")
+    if kv_cache == "bf16" or have is not None:
+        return recipe
+    rest = recipe.strip().partition(":")[2]
+    return f"{base}:{rest + ',' if rest.strip() else ''}kv_cache={kv_cache}"
+
+
 def hf_name(const_name: str) -> str:
     """Graph constant name -> Hugging Face parameter name (drops the export wrapper's ``model.`` prefix)."""
     return const_name[len("model.") :] if const_name.startswith("model.model.") or const_name.startswith("model.lm_head") else const_name
