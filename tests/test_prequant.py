@@ -152,8 +152,11 @@ def test_native_checkpoint_verifies_bit_exact_and_holds_the_shipped_bytes(case, 
     plan = pipeline.quant_plan("native", raised, bundle)
     prog, _ = pipeline.lower(raised, DEVICE_PRESETS["aim-like"], plan=plan, model_name=case)
     assert prog.info["quant"]["matrices_per_format"] == {fmt: 14, "bf16": 1} or prog.info["quant"]["matrices_per_format"] == {fmt: 14}
-    if acts:
-        assert "activations_not_applied" in plan.describe()
+    if case == "w8a8":  # int8 per-token dynamic: the W8A8 MAC mode (nhil.numerics.act_quant) runs it
+        assert plan.act == "int8" and "activations" in plan.describe() and "activations_not_applied" not in plan.describe()
+        assert all(p.get("format") == "int8" for p in prog.info["quant"]["placements"].values() if p.get("format") != "bf16")
+    elif acts:  # fp8 per-token-group 128 (DeepSeek): weights exact, activations bf16, said so
+        assert plan.act is None and "activations_not_applied" in plan.describe()
     assert _read_back_and_compare(case, bundle, prog, plan) > 0
 
 

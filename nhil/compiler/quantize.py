@@ -10,6 +10,8 @@ A recipe string is ``<base>[:<pattern>=<format>[,<pattern>=<format>...]]``:
   logits, tied to the embedding in SmolLM2) or an ``fnmatch`` pattern over the weight's
   Hugging Face name (``model.layers.3.mlp.down_proj.weight``); ``<format>`` is ``bf16``,
   ``native`` or a format name. Example: ``mxfp4:lm_head=bf16,*.down_proj.*=mxfp8``;
+* ``act=int8`` / ``act=fp8``: W8A8, per-token dynamic 8-bit activations on every quantized linear
+  (``nhil.numerics.act_quant``), e.g. ``int8:act=int8``, ``fp8-e4m3-pc:act=fp8``;
 * ``kv_cache=fp8`` (the pattern ``kv_cache``): the KV cache in E4M3 with per-head scales
   (``nhil.numerics.kv_fp8``), e.g. ``bf16:kv_cache=fp8`` (``verify --kv-cache fp8`` adds it).
 
@@ -53,6 +55,7 @@ RECIPES: dict[str, dict] = {
 
 
 KV_CACHE = ("bf16", "fp8")  # ``kv_cache=<x>`` override: the KV cache's storage (fp8: nhil.numerics.kv_fp8)
+ACT = ("bf16", "int8", "fp8")  # ``act=<x>`` override: activations of quantized linears (nhil.numerics.act_quant)
 
 
 def with_kv_cache(recipe: str, kv_cache: str) -> str:
@@ -96,7 +99,9 @@ def parse_recipe(text: str) -> tuple[str, list[tuple[str, str]]]:
     for pat, f in overrides:
         if pat == "kv_cache" and f not in KV_CACHE:
             raise CompileError(f"QUANT={text!r}: kv_cache={f!r}: the KV cache is one of {', '.join(KV_CACHE)}")
-    for f in [base, *(f for p, f in overrides if p != "kv_cache")]:
+        if pat == "act" and f not in ACT:
+            raise CompileError(f"QUANT={text!r}: act={f!r}: activations are one of {', '.join(ACT)} (W8A8 per-token dynamic)")
+    for f in [base, *(f for p, f in overrides if p not in ("kv_cache", "act"))]:
         _check_format(f, text)
     return base, overrides
 
@@ -136,17 +141,27 @@ class QuantPlan:
     native: dict[str, QTensor] | None = None
     refused: dict = dataclasses.field(default_factory=dict)
     activations: str | None = None
+    act_native: str | None = None
     assigned: dict[str, str] = dataclasses.field(default_factory=dict)
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def format_for(self, const_name: str) -> str:
         hn = hf_name(const_name)
         for pat, fmt in self.overrides:
-            if pat == "kv_cache":
+            if pat in ("kv_cache", "act"):
                 continue
             if (pat == "lm_head" and const_name == self.lm_head) or fnmatch.fnmatchcase(hn, pat) or fnmatch.fnmatchcase(const_name, pat):
                 return _fmt_of(fmt)
         return _fmt_of(self.base)
+
+    @property
+    def act(self) -> str | None:
+        """W8A8 activation mode of quantized linears: the ``act=`` override, else a pre-quantized checkpoint's own
+        per-token dynamic int8/fp8 activations under ``native`` (:attr:`act_native`), else None (bf16)."""
+        a = next((f for p, f in self.overrides if p == "act"), None)
+        if a is None:
+            a = self.act_native
+        return None if a in (None, "bf16") else a
 
     @property
     def kv_cache(self) -> str:
@@ -176,13 +191,17 @@ class QuantPlan:
                 qt = get_format(fmt).quantize(np.ascontiguousarray(w, np.float32))
             except QuantizeError as e:
                 raise CompileError(f"cannot quantize {hn} to {fmt}: {e}") from None
+        if qt is not None and self.act:
+            qt.meta["act"] = self.act
         self.assigned[hn] = qt.fmt.name if qt is not None else "bf16"
         self._cache[const_name] = qt
         return qt
 
     def describe(self) -> dict:
         d = {"recipe": self.recipe, "base": self.base, "overrides": [f"{p}={f}" for p, f in self.overrides], "assigned": dict(self.assigned)}
-        if self.activations:
+        if self.act:
+            d["activations"] = f"{self.act} per-token dynamic (W8A8, nhil.numerics.act_quant) on the quantized linears"
+        if self.activations and not self.act_native:
             d["activations_not_applied"] = f"checkpoint quantizes activations ({self.activations}); nhil runs them in bf16 (weight-only MAC)"
         return d
 
@@ -214,6 +233,7 @@ def build_plan(recipe: str, gm=None, gguf_path: str | Path | None = None, model=
     if base == "native" or any(f == "native" for _, f in overrides):
         if checkpoint is not None:
             plan.native, plan.refused, plan.activations = checkpoint.tensors, checkpoint.refused, checkpoint.activations
+            plan.act_native = getattr(checkpoint, "act_mode", None)
         elif gguf_path is None:
             raise CompileError("QUANT=native keeps a checkpoint's own formats, but this model was loaded neither from a GGUF file nor from a pre-quantized folder")
         else:

@@ -150,8 +150,20 @@ class MacWeight:
             self._deq = round_bf16(self.weight) if self.qt is None else torch.from_numpy(np.ascontiguousarray(self.qt.dequantize(), dtype=np.float32))
         return self._deq
 
+    @property
+    def act(self) -> str | None:
+        """W8A8 activation mode (``nhil.numerics.act_quant``) of this weight, None for bf16 activations."""
+        return None if self.qt is None else self.qt.meta.get("act")
+
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """Device GEMV: float32 [K] activations (rounded to bf16 here) -> float32 [N]."""
+        """Device GEMV: float32 [K] activations (rounded to bf16 here) -> float32 [N]; W8A8: per-token quantized
+        activations in the MAC, the result times their scale."""
+        if self.act:
+            q, sc = act_quant_torch(x, self.act)
+            return self._mac(q) * sc
+        return self._mac(x)
+
+    def _mac(self, x: torch.Tensor) -> torch.Tensor:
         e, c1, c2, m = self._operands()
         a = _pad_lanes(round_bf16(x.reshape(-1)))
         s = burst_tree(e * a)
@@ -162,6 +174,17 @@ class MacWeight:
         if m is not None:
             s = s + burst_tree(a) * m
         return _canonical_nan(accumulate_bursts(s))
+
+
+def act_quant_torch(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic 8-bit activation (``nhil.numerics.act_quant``, written again in torch): (q [K], s)."""
+    x = x.reshape(-1).to(torch.float32)
+    s = x.abs().max() / (127.0 if mode == "int8" else 448.0)
+    if not bool(s > 0):
+        return torch.zeros_like(x), s if bool(torch.isnan(s)) else torch.zeros(())
+    y = x / s
+    q = torch.round(y).clamp(-128, 127) if mode == "int8" else y.to(torch.float8_e4m3fn).to(torch.float32)
+    return q, s
 
 
 def bf16_mac_rows(rows: torch.Tensor, x: torch.Tensor, c1: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,6 +334,8 @@ class QuantReference(torch.fx.Interpreter):
         mw = self._weight(w)
         lead = x.shape[:-1]
         if self.mode == "fake-quant":
+            if mw.act:  # the format's own loss: activations fake-quantized per token, fp32 otherwise
+                x = torch.stack([q * sc for q, sc in (act_quant_torch(v, mw.act) for v in x.reshape(-1, x.shape[-1]))]).reshape(x.shape)
             y = F.linear(x, mw.deq)
         else:
             rows = [mw.gemv(v) for v in x.reshape(-1, x.shape[-1])]  # one GEMV per token

@@ -34,9 +34,10 @@ every native tensor's dequantization (rounded to the producer's compute dtype) e
 A scheme that nhil cannot hold exactly (int2/3/5/6/7, int8 groups, int4 channel-wise or group
 sizes other than 32/64/128, asymmetric int8, fp8 groups, MX, sparsity, uncompressed status)
 loads for its golden but is a :class:`NativeRefusal`: ``QUANT=native`` is then a COMPILE_FAIL
-naming the scheme and the tensor. Activation schemes (``input_activations``: W8A8 dynamic
-per-token, FP8 per-token-group) are weight-exact but run with bf16 activations (the weight-only
-MAC; item 4 of issue 20 is not built): the plan records them as ``activations_not_applied``.
+naming the scheme and the tensor. Activation schemes (``input_activations``): 8-bit symmetric
+dynamic per-token ones (W8A8 int8, FP8_DYNAMIC) run the W8A8 MAC mode (``nhil.numerics.act_quant``,
+``NativeWeights.act_mode``); others (FP8 per-token-group 128, static) keep bf16 activations and
+the plan records them as ``activations_not_applied``.
 
 Malformed checkpoints (a scale of the wrong shape or dtype, a group size that does not divide
 K, a packed weight of the wrong width, an unknown ``quant_method`` or format) are a
@@ -91,6 +92,7 @@ class NativeWeights:
     refused: dict[str, NativeRefusal] = dataclasses.field(default_factory=dict)
     schemes: dict[str, str] = dataclasses.field(default_factory=dict)
     activations: str | None = None
+    act_mode: str | None = None
     dense_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
 
@@ -185,6 +187,14 @@ def _act_text(a: dict | None) -> str | None:
     if not a:
         return None
     return f"{a.get('type')}{a.get('num_bits')} {a.get('strategy')}{' group ' + str(a['group_size']) if a.get('group_size') else ''} {'dynamic' if a.get('dynamic') else 'static'}"
+
+
+def _act_mode(a: dict | None) -> str | None:
+    """The W8A8 MAC mode (``nhil.numerics.act_quant``) of a compressed-tensors activation scheme nhil runs exactly:
+    8-bit int or float, symmetric, dynamic, per token; None for any other (then the activations stay bf16, noted)."""
+    if not a or a.get("num_bits") != 8 or not a.get("dynamic") or a.get("strategy") != "token" or not a.get("symmetric", True):
+        return None
+    return {"int": "int8", "float": "fp8"}.get(a.get("type"))
 
 
 def _ct_one(name: str, fmt: str, w: dict, ts: _Tensors, n: int, k: int):
@@ -321,6 +331,7 @@ def read_native(folder: Path, qcfg: dict, config) -> NativeWeights:
             w = g.get("weights") or {}
             out.schemes[name] = _scheme_text(fmt, w)
             out.activations = out.activations or _act_text(g.get("input_activations"))
+            out.act_mode = out.act_mode or _act_mode(g.get("input_activations"))
             if status != "compressed":
                 out.refused[name] = NativeRefusal(name, out.schemes[name], f"quantization_status is {status!r}: the weights are stored dense, not as codes")
                 continue

@@ -282,3 +282,4 @@ def mla_pack(inputs, outputs, ctx, num_heads: int, kv_lora_rank: int, qk_rope_he
     outputs[1][:r] = latent
     outputs[1][r : r + rope] = krot
 from nhil.runtime import host_kv_fp8 as _host_kv_fp8  # noqa: E402,F401 - registers the FP8 KV-cache kernels
+from nhil.runtime import host_act_quant as _host_act_quant  # noqa: E402,F401 - registers the W8A8 activation kernels
