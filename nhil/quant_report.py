@@ -269,20 +269,22 @@ def render_markdown(rep: dict) -> str:
         "",
         "Prompts: " + "; ".join(f"`{p}`" for p in rep["prompts"]),
         "",
-        "| recipe | formats | top-1 | KL mean | KL p99 | logits SQNR dB | worst step dB | greedy match mean / min | worst layer SQNR dB | weight MB | bits/weight | decode MB/token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | formats | top-1 | KL mean | KL p99 | logits SQNR dB | worst step dB | greedy match mean / min | worst layer SQNR dB | weight MB | bits/weight | decode MB/token | KV kB/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         fm = ", ".join(f"{k} x{v}" for k, v in sorted(r["formats"].items()))
         lines.append(
             f"| `{r['recipe']}` | {fm} | {r['top1_agreement']:.3f} | {r['kl_mean']:.4f} | {r['kl_p99']:.4f} | {r['logits_sqnr_db']:.1f} | {r['worst_step_sqnr_db']:.1f} | "
-            f"{r['greedy_match_mean']:.1f} / {r['greedy_match_min']} | {r['worst_layer_sqnr_db']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r['bits_per_weight']:.2f} | {r['decode_bytes_per_token'] / 1e6:.1f} |"
+            f"{r['greedy_match_mean']:.1f} / {r['greedy_match_min']} | {r['worst_layer_sqnr_db']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r['bits_per_weight']:.2f} | {r['decode_bytes_per_token'] / 1e6:.1f} | "
+            f"{r.get('kv_bytes_per_token', rep['kv_bytes_per_token']) / 1e3:.0f} |"
         )
     lines += [
         "",
         "Definitions: top-1 = fraction of teacher-forced steps whose argmax equals the golden token; KL = KL(golden || target) "
         "per step in nats; logits SQNR over every step of every prompt; greedy match = steps until the first top-1 disagreement "
-        "(free-running greedy decoding equals the teacher-forced run up to there); worst layer = lowest per-layer hidden-state SQNR "
+        "(free-running greedy decoding equals the teacher-forced run up to there); KV kB/token = KV-cache bytes read per token at the mean context (bf16, or an fp8 cache's "
+        "E4M3 codes + per-head scales, docs/numerics.md \"FP8 KV cache\"); worst layer = lowest per-layer hidden-state SQNR "
         "on the first prompt; weight bytes = stored bytes of the PIM linears incl. scales/headers (bf16: 2 B/weight); decode "
         f"bytes/token = weight bytes + the bf16 KV cache read at the mean context ({rep['mean_context']:.1f} positions, "
         f"{rep['kv_bytes_per_token'] / 1e3:.0f} kB). In ISA v0's layout a quantized chunk occupies the start of a bank row "
