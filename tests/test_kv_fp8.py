@@ -86,9 +86,9 @@ def test_cache_bytes_in_the_banks_are_torch_float8_codes(tiny):
     prog, t, _, ref, _ = _run(gm, "bf16:kv_cache=fp8", DEVICE_PRESETS["aim-like"], prompt, toks)
     d = prog.device
     n = len(prompt) + len(toks) - 1
-    caches = sorted(ref.caches)  # [k0, k1, v0, v1] by constant name
-    kc = [ref.caches[c] for c in caches if "key" in c or ".k_" in c or "k_cache" in c]
-    vc = [ref.caches[c] for c in caches if c not in {x for x in caches if "key" in x or ".k_" in x or "k_cache" in x}]
+    attn = [n for n in gm.graph.nodes if n.op == "call_function" and "attention_kv" in str(n.target)]  # graph order = layer order
+    kc = [ref.caches[n.args[3].target] for n in attn]
+    vc = [ref.caches[n.args[4].target] for n in attn]
     assert len(kc) == len(vc) == 2
     for layer, lay in prog.info["kv_layout"].items():
         lay = {k: int(v) for k, v in lay.items()}
