@@ -115,3 +115,37 @@ def write_fp8_block_checkpoint(folder: Path, block=(128, 128), scale_dtype=torch
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
+
+
+def write_gpt_oss_mxfp4_checkpoint(folder: Path) -> Path:
+    """The zoo's tiny ``gpt_oss`` with its experts in gpt-oss' published MXFP4 layout (openai/gpt-oss-20b):
+    ``<proj>_blocks`` uint8 [E, out, in/32, 16] (E2M1 nibbles, element 2i in the low nibble), ``<proj>_scales``
+    uint8 [E, out, in/32] (E8M0), ``<proj>_bias``; codes from nhil's OCP MX quantizer (FLOOR scale, RNE)."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from nhil.models import get_model
+    from nhil.numerics.formats import MXFP4
+
+    model = copy.deepcopy(get_model("gpt_oss").model)
+    model.save_pretrained(folder)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = sd.pop(k)  # [E, in, out] (transformers' gpt-oss layout)
+        blocks, scales = [], []
+        for e in range(w.shape[0]):
+            qt = MXFP4.quantize(w[e].t().contiguous().numpy())  # [out, in]
+            n, kk = qt.shape
+            nib = qt.codes.reshape(n, kk // 32, 16, 2).astype("uint8")
+            blocks.append(torch.from_numpy(nib[..., 0] | (nib[..., 1] << 4)))
+            scales.append(torch.from_numpy(qt.rec[..., 0].copy()))
+        sd[k + "_blocks"], sd[k + "_scales"] = torch.stack(blocks), torch.stack(scales)
+    sd.pop("lm_head.weight", None) if model.config.tie_word_embeddings else None
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

@@ -19,6 +19,8 @@ Two producers are understood (the ``quant_method`` of ``config.json``'s ``quanti
                                 float8_e4m3fn [N, K/16], weight_global_scale
   ============================  ==========================================  =============================
 
+* ``mxfp4`` (gpt-oss: transformers ``Mxfp4Config``): MoE experts' ``<proj>_blocks`` / ``_scales``
+  -> ``mxfp4`` per expert (:func:`_read_mxfp4_experts`);
 * ``fp8`` (transformers ``FineGrainedFP8Config``: DeepSeek-V3, Qwen3 FP8): ``weight``
   float8_e4m3fn [N, K] and ``weight_scale_inv`` [N/bn, K/bk] for ``weight_block_size [bn, bk]``
   -> ``fp8-e4m3-b<bk>``.
@@ -92,6 +94,7 @@ class NativeWeights:
     schemes: dict[str, str] = dataclasses.field(default_factory=dict)
     activations: str | None = None
     act_mode: str | None = None
+    views: dict[str, tuple[str, int, str]] = dataclasses.field(default_factory=dict)  # expert name -> (3-D param, expert, gate|up|down)
     dense_dtype: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
 
 
@@ -359,12 +362,48 @@ def read_native(folder: Path, qcfg: dict, config) -> NativeWeights:
             else:
                 r = _fp8_block(name, text, wt.view(torch.uint8).numpy(), ts.get(sname), sname, block, n, k)
             (out.refused if isinstance(r, NativeRefusal) else out.tensors)[name] = r
+    elif method == "mxfp4":
+        _read_mxfp4_experts(ts, out, shapes_3d=_expert_shapes(meta))
     else:
-        raise SetupError(f"{folder}: quantization_config quant_method {method!r} is not one nhil reads (compressed-tensors, fp8); "
+        raise SetupError(f"{folder}: quantization_config quant_method {method!r} is not one nhil reads (compressed-tensors, fp8, mxfp4); "
                          "convert the checkpoint with llm-compressor, or dequantize it to a plain safetensors folder")
     if not out.schemes:
         raise SetupError(f"{folder}: quantization_config says {method} but no tensor of the checkpoint carries its scales; the checkpoint is not the one the config describes")
     return out
+
+
+def _expert_shapes(model_meta) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model_meta.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj")) and p.dim() == 3}
+
+
+def _read_mxfp4_experts(ts: _Tensors, out: NativeWeights, shapes_3d: dict) -> None:
+    """gpt-oss' MXFP4 experts (transformers ``quant_method: mxfp4``): ``<p>_blocks`` uint8 [E, out, in/32, 16] of E2M1
+    nibbles (element 2i low, transformers ``convert_moe_packed_tensors``), ``<p>_scales`` uint8 [E, out, in/32] E8M0
+    -> nhil ``mxfp4`` per expert, under the lowered names (``lower_moe``): ``<gate_up>.<e>.gate`` (rows 0::2),
+    ``.up`` (rows 1::2), ``<down>.<e>``."""
+    from nhil.numerics.formats import MXFP4
+
+    for pname, (e_count, k_in, n_out) in shapes_3d.items():  # transformers' gpt-oss params are [E, in, out]
+        bname, sname = pname + "_blocks", pname + "_scales"
+        if bname not in ts:
+            continue
+        blocks, scales = ts.get(bname), ts.get(sname) if sname in ts else None
+        if scales is None:
+            raise _bad(sname, "missing: MXFP4 blocks need their E8M0 scales")
+        _expect_shape(bname, blocks, (e_count, n_out, k_in // 32, 16), "MXFP4 blocks")
+        _expect_shape(sname, scales, (e_count, n_out, k_in // 32), "E8M0 scales")
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise _bad(bname, f"dtypes {blocks.dtype}/{scales.dtype}; gpt-oss MXFP4 stores uint8 blocks and scales")
+        raw = blocks.numpy()
+        codes = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(e_count, n_out, k_in)
+        sc = scales.numpy()
+        for e in range(e_count):
+            parts = {f"{pname}.{e}.gate": slice(0, None, 2), f"{pname}.{e}.up": slice(1, None, 2)} if pname.endswith("gate_up_proj") else {f"{pname}.{e}": slice(None)}
+            for name, rows in parts.items():
+                c, r = codes[e, rows], sc[e, rows]
+                out.tensors[name] = MXFP4._qtensor(np.zeros((c.shape[0], 0)), r[..., None], c.astype(np.uint8), c.shape)
+                out.schemes[name] = "mxfp4 (gpt-oss experts, E2M1 + E8M0 per 32)"
+                out.views[name] = (pname, e, "gate" if name.endswith(".gate") else "up" if name.endswith(".up") else "down")
 
 
 def load_dense_config(qcfg: dict):
@@ -378,6 +417,10 @@ def load_dense_config(qcfg: dict):
         from transformers import CompressedTensorsConfig
 
         return CompressedTensorsConfig(dequantize=True)
+    if method == "mxfp4":
+        from transformers import Mxfp4Config
+
+        return Mxfp4Config(dequantize=True, modules_to_not_convert=qcfg.get("modules_to_not_convert"))
     from transformers import FineGrainedFP8Config
 
     return FineGrainedFP8Config(weight_block_size=qcfg.get("weight_block_size"), activation_scheme=qcfg.get("activation_scheme", "dynamic"), dequantize=True)
@@ -393,7 +436,12 @@ def check_against_dense(native: NativeWeights, model) -> None:
     """
     params = dict(model.named_parameters())
     for name, qt in native.tensors.items():
-        want = params[name].detach().to(torch.float32)
+        if name in native.views:  # an MoE expert slice of a 3-D [E, in, out] parameter
+            pn, e, part = native.views[name]
+            w = params[pn][e].detach().to(torch.float32)
+            want = {"gate": w[:, 0::2], "up": w[:, 1::2], "down": w}[part].t().contiguous()
+        else:
+            want = params[name].detach().to(torch.float32)
         mine = torch.from_numpy(qt.dequantize())
         if torch.equal(mine, want):
             continue
