@@ -52,7 +52,8 @@ def _run(gm, recipe, device, prompt, tokens):
 SMALL = dataclasses.replace(DEVICE_PRESETS["rtl-tiny"], name="kv-small", row_bytes=64)
 
 
-@pytest.mark.parametrize("recipe,dev,L", [("bf16:kv_cache=fp8", "aim-like", 16), ("int4-g128:kv_cache=fp8", "aim-like", 16), ("bf16:kv_cache=fp8", "small", 48)])
+@pytest.mark.parametrize("recipe,dev,L", [("bf16:kv_cache=fp8", "aim-like", 16), ("int4-g128:kv_cache=fp8", "aim-like", 16),
+                                           pytest.param("bf16:kv_cache=fp8", "small", 48, marks=pytest.mark.slow)])
 def test_fp8_kv_cache_sim_equals_reference_bit_for_bit(recipe, dev, L, tiny):
     """Logits of every step and the residual stream at every position: simulator == quantized reference (bits)."""
     bundle, gms = tiny

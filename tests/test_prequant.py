@@ -132,6 +132,7 @@ def _read_back_and_compare(case, bundle, prog, plan):
     return checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_checkpoint_verifies_bit_exact_and_holds_the_shipped_bytes(case, ckpts, tmp_path):
     """QUANT=native: PASS on sim (tight tier bit-identical to the quantized reference; accuracy vs the fp32 golden of
@@ -253,6 +254,7 @@ def test_rtl_does_not_claim_the_prequant_formats():
                              "int4-g128-asym-f32s", "fp8-e4m3-b16", "fp8-e4m3-b32", "fp8-e4m3-b64", "fp8-e4m3-b128", "nvfp4-gs"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["rtl", "fpga"])
 def test_rtl_and_fpga_runs_of_a_prequant_checkpoint_are_skipped_naming_the_format(target, ckpts, tmp_path):
     from nhil.verify import VerifyOptions, verify
@@ -288,6 +290,7 @@ def test_read_back_sees_a_corrupted_bank_row(ckpts):
     assert _read_back_and_compare("fp8-deepseek", bundle, prog, plan) > 0
 
 
+@pytest.mark.slow
 def test_gpt_oss_mxfp4_experts_native(tmp_path):
     """gpt-oss' MXFP4 expert layout (``quant_method: mxfp4``, written by hand from the published layout): transformers'
     dequantization (``Mxfp4Config(dequantize=True)``) equals nhil's reading bit for bit (checked at load); QUANT=native
