@@ -128,6 +128,7 @@ def verify(
     repeat: int = typer.Option(1, help="repeat the teacher-forced run N times and check bit-identical logits"),
     runs_dir: Path = typer.Option(Path("runs"), help="folder for run folders"),
     quant: str = typer.Option("bf16", "--quant", "-q", help="weight quantization recipe: native|bf16|int8|int4-g128|fp8-e4m3|mxfp8|mxfp6|mxfp4|mxint8|nvfp4|q8_0|q4_0|q4_1 or a format name, with overrides like mxfp4:lm_head=bf16"),
+    kv_cache: str = typer.Option("bf16", "--kv-cache", help="KV cache storage: bf16 or fp8 (E4M3, per-head scales; adds kv_cache=fp8 to the recipe)"),
     layers: Optional[int] = typer.Option(None, "--layers", help="with --model PATH: keep the first N decoder layers"),
     board: Optional[str] = typer.Option(None, help="fpga target: a board of the boards file (boards.yaml / $NHIL_BOARDS; `nhil boards`), sets FPGA_BOARD"),
 ) -> None:
@@ -143,7 +144,7 @@ def verify(
     for kv in option:
         k, _, v = kv.partition("=")
         opts[k] = v
-    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant, layers=layers)
+    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant, layers=layers, kv_cache=kv_cache)
     rep = _checked(run_verify, o)
     print_summary(rep)
     typer.echo(f"report: {rep['run_dir']}/report.md", err=True)

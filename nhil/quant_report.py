@@ -162,7 +162,9 @@ def run_quant_report(model: str = "llama", recipes: list[str] | None = None, tok
             "worst_layer_cosine": layer_cos,
             "weight_bytes": int(wbytes),
             "bits_per_weight": 8 * wbytes / max(1, n_w),
-            "decode_bytes_per_token": int(wbytes + kv_bytes),
+            "kv_cache": prog.info.get("kv_cache", "bf16"),
+            "kv_bytes_per_token": int(_kv_bytes(prog, cfg, head_dim, mean_ctx, kv_bytes)),
+            "decode_bytes_per_token": int(wbytes + _kv_bytes(prog, cfg, head_dim, mean_ctx, kv_bytes)),
             "seconds": round(time.perf_counter() - t1, 1),
             **ref_cols,
         }
@@ -215,6 +217,15 @@ def _previous_rows(output, model: str, weights_id: str, prompts: list[str], toke
     return {r["recipe"]: r for r in old.get("rows", [])}, when
 
 
+def _kv_bytes(prog, cfg, head_dim: int, mean_ctx: float, bf16_bytes: float) -> float:
+    """KV-cache bytes read per decoded token at the mean context: the bf16 cache's, or for an fp8 cache
+    (``nhil.numerics.kv_fp8``) per layer and position K ``hkv * (hd + 4)`` (codes + per-head fp32 scale) plus V ``hkv * hd``."""
+    if prog.info.get("kv_cache") != "fp8":
+        return bf16_bytes
+    hkv = cfg.num_key_value_heads
+    return cfg.num_hidden_layers * (hkv * (head_dim + 4) + hkv * head_dim) * mean_ctx
+
+
 def _assemble(model, bundle, device, prompt_text, tokens, mean_ctx, kv_bytes, rows, t0, sim_from: str | None = None) -> dict:
     extra = {"simulator_columns_from": sim_from} if sim_from else {}
     return {**extra,
@@ -258,20 +269,22 @@ def render_markdown(rep: dict) -> str:
         "",
         "Prompts: " + "; ".join(f"`{p}`" for p in rep["prompts"]),
         "",
-        "| recipe | formats | top-1 | KL mean | KL p99 | logits SQNR dB | worst step dB | greedy match mean / min | worst layer SQNR dB | weight MB | bits/weight | decode MB/token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recipe | formats | top-1 | KL mean | KL p99 | logits SQNR dB | worst step dB | greedy match mean / min | worst layer SQNR dB | weight MB | bits/weight | decode MB/token | KV kB/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         fm = ", ".join(f"{k} x{v}" for k, v in sorted(r["formats"].items()))
         lines.append(
             f"| `{r['recipe']}` | {fm} | {r['top1_agreement']:.3f} | {r['kl_mean']:.4f} | {r['kl_p99']:.4f} | {r['logits_sqnr_db']:.1f} | {r['worst_step_sqnr_db']:.1f} | "
-            f"{r['greedy_match_mean']:.1f} / {r['greedy_match_min']} | {r['worst_layer_sqnr_db']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r['bits_per_weight']:.2f} | {r['decode_bytes_per_token'] / 1e6:.1f} |"
+            f"{r['greedy_match_mean']:.1f} / {r['greedy_match_min']} | {r['worst_layer_sqnr_db']:.1f} | {r['weight_bytes'] / 1e6:.1f} | {r['bits_per_weight']:.2f} | {r['decode_bytes_per_token'] / 1e6:.1f} | "
+            f"{r.get('kv_bytes_per_token', rep['kv_bytes_per_token']) / 1e3:.0f} |"
         )
     lines += [
         "",
         "Definitions: top-1 = fraction of teacher-forced steps whose argmax equals the golden token; KL = KL(golden || target) "
         "per step in nats; logits SQNR over every step of every prompt; greedy match = steps until the first top-1 disagreement "
-        "(free-running greedy decoding equals the teacher-forced run up to there); worst layer = lowest per-layer hidden-state SQNR "
+        "(free-running greedy decoding equals the teacher-forced run up to there); KV kB/token = KV-cache bytes read per token at the mean context (bf16, or an fp8 cache's "
+        "E4M3 codes + per-head scales, docs/numerics.md \"FP8 KV cache\"); worst layer = lowest per-layer hidden-state SQNR "
         "on the first prompt; weight bytes = stored bytes of the PIM linears incl. scales/headers (bf16: 2 B/weight); decode "
         f"bytes/token = weight bytes + the bf16 KV cache read at the mean context ({rep['mean_context']:.1f} positions, "
         f"{rep['kv_bytes_per_token'] / 1e3:.0f} kB). In ISA v0's layout a quantized chunk occupies the start of a bank row "

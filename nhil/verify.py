@@ -77,8 +77,18 @@ class VerifyOptions:
     manifest: Path | None = None
     layers: int | None = None  # --model PATH only: keep the first N decoder layers [LAYERS]
     passes: tuple = ()  # scheduling passes (nhil.compiler.pipeline); () here = the default pipeline, set in __post_init__
+    kv_cache: str = "bf16"  # --kv-cache: bf16 | fp8 (E4M3, per-head scales; nhil.numerics.kv_fp8): folded into quant as kv_cache=fp8
 
     def __post_init__(self) -> None:
+        if self.kv_cache != "bf16":
+            from nhil.compiler.quantize import with_kv_cache
+            from nhil.args import UsageError
+            from nhil.errors import CompileError
+
+            try:
+                self.quant, self.kv_cache = with_kv_cache(self.quant, self.kv_cache), "bf16"
+            except CompileError as e:
+                raise UsageError(str(e)) from None
         if not self.passes:
             from nhil.compiler.pipeline import DEFAULT_PASSES
 

@@ -16,7 +16,7 @@ import pytest
 
 from nhil.compiler.builder import ProgramBuilder
 from nhil.isa import DEVICE_PRESETS, Op
-from nhil.numerics.formats import DEVICE_FORMATS, FORMATS
+from nhil.numerics.formats import DEVICE_FORMATS, FORMATS, PREQUANT
 from nhil.runtime.executor import Runner
 from nhil.targets.rtl import RtlTarget
 from nhil.targets.sim import SimTarget
@@ -126,7 +126,7 @@ def test_rtl_and_fpga_claim_exactly_the_formats_the_rtl_implements():
     from nhil.targets.fpga.frame import Frame
     from nhil.targets.rtl.target import RTL_FORMATS, rtl_formats
 
-    assert RTL_FORMATS == DEVICE_FORMATS and "bf16" in RTL_FORMATS
+    assert RTL_FORMATS == frozenset({"bf16", *FORMATS}) == DEVICE_FORMATS - set(PREQUANT) and "bf16" in RTL_FORMATS
     assert RtlTarget().capabilities().formats == RTL_FORMATS
     assert rtl_formats(dataclasses.replace(DEV, lanes=8)) == {"bf16"}  # quantized formats need 16-lane bursts
     board = Board(DEVICE_PRESETS["fpga-small"])

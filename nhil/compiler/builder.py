@@ -59,6 +59,7 @@ class MatrixPlacement:
     fmt_code: int = 0
     nbytes: int = 0  # stored weight bytes (format headers/scales included)
     width: int = 0  # outputs per row-group: 0 = every slot of the device; ``banks`` = channel 0 only (no ``bank-spread``)
+    act: str | None = None  # W8A8 activation mode (nhil.numerics.act_quant: int8 | fp8), None = bf16 activations
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -82,6 +83,8 @@ class ProgramBuilder:
         self._gb: tuple | None = None  # (buffer, offset, count) currently in every channel's GB at col 0
         self.placements: dict[str, MatrixPlacement] = {}
         self._pending_reads: set[str] = set()  # buffers read back since the last SYNC
+        self.kv_formats: set[str] = set()  # formats of KV-cache rows (fp8 KV cache), for info["weight_formats"]
+        self.raw_buffers: set[str] = set()  # buffers sent as raw 16-bit words (fp8 KV rows), info["raw_buffers"]
         self._wfmt = 0  # CFR W_FMT value in effect (0 = bf16, the reset value)
         self._want_wfmt = 0  # W_FMT the next MAC needs (gemv of a quantized matrix sets it)
         from nhil.compiler.schedule import PIPELINE
@@ -116,6 +119,13 @@ class ProgramBuilder:
         if (op is Op.MAC_AB or op is Op.MAC_SB) and self._want_wfmt != self._wfmt:
             self.set_wfmt(self._want_wfmt)
         self.instrs.append(Instr(op, flags | (ALL_CH if all_ch else 0), ch, bank, row, col, n, operand, k, imm))
+
+    def want_wfmt(self, code: int, name: str | None = None) -> None:
+        """The format the next MACs read rows in (0 = bf16), for rows this builder did not place (fp8 KV cache);
+        ``name`` is recorded in ``kv_formats`` so the program's ``info["weight_formats"]`` lists it."""
+        self._want_wfmt = int(code)
+        if name:
+            self.kv_formats.add(name)
 
     def set_wfmt(self, code: int) -> None:
         """SET_CFR W_FMT (all channels): the format MACs read weight rows in. bf16-only programs never emit it."""
@@ -250,7 +260,7 @@ class ProgramBuilder:
                 img[: o1 - o0, : packed.shape[1]] = packed[o0:o1]
                 self.bank_images.append(BankImage(r, img.view("<u2").astype(np.uint16).reshape(d.channels, d.banks, d.cols)))
                 rows[g].append(r)
-        p = MatrixPlacement(name, n_out, n_in, chunk, rows, fmt=fmt.name, fmt_code=fmt.code, nbytes=qt.nbytes)
+        p = MatrixPlacement(name, n_out, n_in, chunk, rows, fmt=fmt.name, fmt_code=fmt.code, nbytes=qt.nbytes, act=qt.meta.get("act"))
         self.placements[name] = p
         return p
 
@@ -268,7 +278,19 @@ class ProgramBuilder:
         self._gb = None
 
     def gemv(self, p: MatrixPlacement, x: str, y: str, x_off: int = 0, y_off: int = 0) -> None:
-        """Emit ``y[y_off:y_off+n_out] = W @ x[x_off:x_off+n_in]`` (see the module docstring)."""
+        """Emit ``y[y_off:y_off+n_out] = W @ x[x_off:x_off+n_in]`` (see the module docstring); with ``p.act``
+        (W8A8, ``nhil.numerics.act_quant``) the host quantizes ``x`` per token first and rescales the result."""
+        if p.act:
+            xq, xs, yq = self.buffer(f"{p.name}.act_q", p.n_in), self.buffer(f"{p.name}.act_s", 1), self.buffer(f"{p.name}.acc", p.n_out)
+            self.host("act_quant", [x], [xq, xs], mode=p.act, offset=int(x_off), count=p.n_in)
+            self.invalidate_gb()
+            self._gemv(p, xq, yq, 0, 0)
+            self.host("act_rescale", [yq, xs], [y], offset=int(y_off), count=p.n_out)
+            self.invalidate_gb()
+            return
+        self._gemv(p, x, y, x_off, y_off)
+
+    def _gemv(self, p: MatrixPlacement, x: str, y: str, x_off: int, y_off: int) -> None:
         d = self.d
         chunks = p.chunks
         groups = list(range(len(p.rows)))

@@ -94,6 +94,10 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
         info["weight_formats"] = sorted(formats_used)
         info["quant"] = {"recipe": quant.describe(), "matrices_per_format": formats_used, "weight_bytes": weight_bytes,
                          "placements": {n: {"format": p.fmt, "chunk": p.chunk, "rows": p.rows} for n, p in b.placements.items()}}
+    if b.kv_formats:  # fp8 KV cache (lower_attention, nhil.numerics.kv_fp8)
+        info["weight_formats"] = sorted(set(info["weight_formats"]) | b.kv_formats)
+        info["raw_buffers"] = sorted(b.raw_buffers)
+        info["kv_cache"] = "fp8"
     return b.finish(io, info)
 
 

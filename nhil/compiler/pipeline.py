@@ -193,7 +193,8 @@ def quant_plan(quant: str, raised, bundle):
     from nhil.compiler.quantize import build_plan
 
     src = str(getattr(bundle, "source", ""))
-    return build_plan(quant, raised.gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model)
+    return build_plan(quant, raised.gm, gguf_path=src if src.endswith(".gguf") else None, model=bundle.model,
+                      checkpoint=getattr(bundle, "native", None))
 
 
 def lower(raised, device, *, plan=None, passes: Iterable[str] = DEFAULT_PASSES, model_name: str = "?", stage: StageFn = _no_stage):

@@ -9,7 +9,11 @@ A recipe string is ``<base>[:<pattern>=<format>[,<pattern>=<format>...]]``:
 * overrides, first match wins: ``<pattern>`` is ``lm_head`` (the linear producing the
   logits, tied to the embedding in SmolLM2) or an ``fnmatch`` pattern over the weight's
   Hugging Face name (``model.layers.3.mlp.down_proj.weight``); ``<format>`` is ``bf16``,
-  ``native`` or a format name. Example: ``mxfp4:lm_head=bf16,*.down_proj.*=mxfp8``.
+  ``native`` or a format name. Example: ``mxfp4:lm_head=bf16,*.down_proj.*=mxfp8``;
+* ``act=int8`` / ``act=fp8``: W8A8, per-token dynamic 8-bit activations on every quantized linear
+  (``nhil.numerics.act_quant``), e.g. ``int8:act=int8``, ``fp8-e4m3-pc:act=fp8``;
+* ``kv_cache=fp8`` (the pattern ``kv_cache``): the KV cache in E4M3 with per-head scales
+  (``nhil.numerics.kv_fp8``), e.g. ``bf16:kv_cache=fp8`` (``verify --kv-cache fp8`` adds it).
 
 ``native`` keeps a GGUF checkpoint's own blocks (``gguf.GGUFReader``) bit for bit: each
 linear whose GGUF tensor is Q8_0/Q4_0/Q4_1 is stored as those bytes (row order mapped
@@ -50,6 +54,29 @@ RECIPES: dict[str, dict] = {
 }
 
 
+KV_CACHE = ("bf16", "fp8")  # ``kv_cache=<x>`` override: the KV cache's storage (fp8: nhil.numerics.kv_fp8)
+ACT = ("bf16", "int8", "fp8")  # ``act=<x>`` override: activations of quantized linears (nhil.numerics.act_quant)
+
+
+def with_kv_cache(recipe: str, kv_cache: str) -> str:
+    """``recipe`` with the KV-cache storage ``kv_cache`` (``bf16`` leaves it unchanged): ``int8`` + ``fp8`` ->
+    ``int8:kv_cache=fp8``; ``mxfp4:lm_head=bf16`` + ``fp8`` -> ``mxfp4:lm_head=bf16,kv_cache=fp8``.
+
+    Raises:
+        CompileError: ``kv_cache`` not in :data:`KV_CACHE`, or the recipe already names another one.
+    """
+    if kv_cache not in KV_CACHE:
+        raise CompileError(f"--kv-cache {kv_cache!r}: the KV cache is one of {', '.join(KV_CACHE)}")
+    base, overrides = parse_recipe(recipe)
+    have = next((f for p, f in overrides if p == "kv_cache"), None)
+    if have is not None and have != kv_cache:
+        raise CompileError(f"--kv-cache {kv_cache} contradicts QUANT={recipe!r} (kv_cache={have})")
+    if kv_cache == "bf16" or have is not None:
+        return recipe
+    rest = recipe.strip().partition(":")[2]
+    return f"{base}:{rest + ',' if rest.strip() else ''}kv_cache={kv_cache}"
+
+
 def hf_name(const_name: str) -> str:
     """Graph constant name -> Hugging Face parameter name (drops the export wrapper's ``model.`` prefix)."""
     return const_name[len("model.") :] if const_name.startswith("model.model.") or const_name.startswith("model.lm_head") else const_name
@@ -69,7 +96,12 @@ def parse_recipe(text: str) -> tuple[str, list[tuple[str, str]]]:
         if not eq or not pat or not fmt:
             raise CompileError(f"bad quantization override {item!r} in {text!r}: use <pattern>=<format>, e.g. lm_head=bf16")
         overrides.append((pat.strip(), fmt.strip()))
-    for f in [base, *(f for _, f in overrides)]:
+    for pat, f in overrides:
+        if pat == "kv_cache" and f not in KV_CACHE:
+            raise CompileError(f"QUANT={text!r}: kv_cache={f!r}: the KV cache is one of {', '.join(KV_CACHE)}")
+        if pat == "act" and f not in ACT:
+            raise CompileError(f"QUANT={text!r}: act={f!r}: activations are one of {', '.join(ACT)} (W8A8 per-token dynamic)")
+    for f in [base, *(f for p, f in overrides if p not in ("kv_cache", "act"))]:
         _check_format(f, text)
     return base, overrides
 
@@ -97,6 +129,8 @@ class QuantPlan:
         overrides: (pattern, format) pairs, first match wins.
         lm_head: graph constant name of the logits linear's weight (for the ``lm_head`` pattern).
         native: HF name -> QTensor holding the checkpoint's own blocks (``native`` only).
+        refused: HF name -> NativeRefusal of a pre-quantized checkpoint (``native`` on it is a CompileError).
+        activations: a pre-quantized checkpoint's activation scheme that the weight-only MAC does not apply.
         assigned: filled while lowering: HF name -> format name used.
     """
 
@@ -105,15 +139,40 @@ class QuantPlan:
     overrides: list[tuple[str, str]]
     lm_head: str | None = None
     native: dict[str, QTensor] | None = None
+    refused: dict = dataclasses.field(default_factory=dict)
+    activations: str | None = None
+    act_native: str | None = None
     assigned: dict[str, str] = dataclasses.field(default_factory=dict)
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def format_for(self, const_name: str) -> str:
         hn = hf_name(const_name)
         for pat, fmt in self.overrides:
+            if pat in ("kv_cache", "act"):
+                continue
             if (pat == "lm_head" and const_name == self.lm_head) or fnmatch.fnmatchcase(hn, pat) or fnmatch.fnmatchcase(const_name, pat):
                 return _fmt_of(fmt)
         return _fmt_of(self.base)
+
+    @property
+    def act(self) -> str | None:
+        """W8A8 activation mode of quantized linears: the ``act=`` override, else a pre-quantized checkpoint's own
+        per-token dynamic int8/fp8 activations under ``native`` (:attr:`act_native`), else None (bf16)."""
+        a = next((f for p, f in self.overrides if p == "act"), None)
+        if a is None:
+            a = self.act_native
+        return None if a in (None, "bf16") else a
+
+    @property
+    def kv_cache(self) -> str:
+        """Storage of the KV cache: ``bf16`` or ``fp8`` (the ``kv_cache=fp8`` override, ``--kv-cache fp8``)."""
+        return next((f for p, f in self.overrides if p == "kv_cache"), "bf16")
+
+    def kv_scales(self, layer: int, kv_heads: int):
+        """(k, v) scales float32 [kv_heads] of an fp8 cache's layer: 1.0 per head (vLLM's default without calibrated
+        ``k_scale``/``v_scale``; a checkpoint's calibrated scales are not read yet)."""
+        one = np.ones(kv_heads, np.float32)
+        return one, one.copy()
 
     def weight(self, const_name: str, tensor) -> QTensor | None:
         """The stored form of a linear's weight: a QTensor, or None for bf16."""
@@ -123,6 +182,8 @@ class QuantPlan:
         hn = hf_name(const_name)
         qt = None
         if fmt == "native":
+            if hn in self.refused:
+                raise CompileError(self.refused[hn].message())
             qt = (self.native or {}).get(hn)
         elif fmt != "bf16":
             w = tensor.detach().cpu().numpy() if hasattr(tensor, "detach") else np.asarray(tensor)
@@ -130,12 +191,19 @@ class QuantPlan:
                 qt = get_format(fmt).quantize(np.ascontiguousarray(w, np.float32))
             except QuantizeError as e:
                 raise CompileError(f"cannot quantize {hn} to {fmt}: {e}") from None
+        if qt is not None and self.act:
+            qt.meta["act"] = self.act
         self.assigned[hn] = qt.fmt.name if qt is not None else "bf16"
         self._cache[const_name] = qt
         return qt
 
     def describe(self) -> dict:
-        return {"recipe": self.recipe, "base": self.base, "overrides": [f"{p}={f}" for p, f in self.overrides], "assigned": dict(self.assigned)}
+        d = {"recipe": self.recipe, "base": self.base, "overrides": [f"{p}={f}" for p, f in self.overrides], "assigned": dict(self.assigned)}
+        if self.act:
+            d["activations"] = f"{self.act} per-token dynamic (W8A8, nhil.numerics.act_quant) on the quantized linears"
+        if self.activations and not self.act_native:
+            d["activations_not_applied"] = f"checkpoint quantizes activations ({self.activations}); nhil runs them in bf16 (weight-only MAC)"
+        return d
 
 
 def lm_head_weight(gm) -> str | None:
@@ -153,18 +221,23 @@ def lm_head_weight(gm) -> str | None:
     return None
 
 
-def build_plan(recipe: str, gm=None, gguf_path: str | Path | None = None, model=None) -> QuantPlan:
-    """A QuantPlan for ``recipe``; ``native`` needs the GGUF file and the loaded ``model``.
+def build_plan(recipe: str, gm=None, gguf_path: str | Path | None = None, model=None, checkpoint=None) -> QuantPlan:
+    """A QuantPlan for ``recipe``; ``native`` needs the GGUF file and the loaded ``model``, or a pre-quantized
+    checkpoint's ``checkpoint`` (:class:`nhil.models.prequant.NativeWeights`, ``ModelBundle.native``).
 
     Raises:
-        CompileError: bad recipe, or ``native`` without a GGUF checkpoint.
+        CompileError: bad recipe, or ``native`` without a GGUF or pre-quantized checkpoint.
     """
     base, overrides = parse_recipe(recipe)
     plan = QuantPlan(recipe, base, overrides, lm_head=lm_head_weight(gm) if gm is not None else None)
     if base == "native" or any(f == "native" for _, f in overrides):
-        if gguf_path is None:
-            raise CompileError("QUANT=native keeps a GGUF checkpoint's own formats, but this model was not loaded from a GGUF file")
-        plan.native = native_gguf_weights(gguf_path, model)
+        if checkpoint is not None:
+            plan.native, plan.refused, plan.activations = checkpoint.tensors, checkpoint.refused, checkpoint.activations
+            plan.act_native = getattr(checkpoint, "act_mode", None)
+        elif gguf_path is None:
+            raise CompileError("QUANT=native keeps a checkpoint's own formats, but this model was loaded neither from a GGUF file nor from a pre-quantized folder")
+        else:
+            plan.native = native_gguf_weights(gguf_path, model)
     return plan
 
 

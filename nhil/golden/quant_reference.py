@@ -154,8 +154,20 @@ class MacWeight:
             self._deq = round_bf16(self.weight) if self.qt is None else torch.from_numpy(np.ascontiguousarray(self.qt.dequantize(), dtype=np.float32))
         return self._deq
 
+    @property
+    def act(self) -> str | None:
+        """W8A8 activation mode (``nhil.numerics.act_quant``) of this weight, None for bf16 activations."""
+        return None if self.qt is None else self.qt.meta.get("act")
+
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """Device GEMV: float32 [K] activations (rounded to bf16 here) -> float32 [N]."""
+        """Device GEMV: float32 [K] activations (rounded to bf16 here) -> float32 [N]; W8A8: per-token quantized
+        activations in the MAC, the result times their scale."""
+        if self.act:
+            q, sc = act_quant_torch(x, self.act)
+            return self._mac(q) * sc
+        return self._mac(x)
+
+    def _mac(self, x: torch.Tensor) -> torch.Tensor:
         e, c1, c2, m = self._operands()
         a = _pad_lanes(round_bf16(x.reshape(-1)))
         s = burst_tree(e * a)
@@ -168,10 +180,29 @@ class MacWeight:
         return _canonical_nan(accumulate_bursts(s))
 
 
-def bf16_mac_rows(rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """bf16 MAC of each row of ``rows`` [..., R, K] with ``x`` [..., K] (both rounded to bf16): [..., R]."""
+def act_quant_torch(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic 8-bit activation (``nhil.numerics.act_quant``, written again in torch): (q [K], s)."""
+    x = x.reshape(-1).to(torch.float32)
+    s = x.abs().max() / (127.0 if mode == "int8" else 448.0)
+    if not bool(s > 0):
+        return torch.zeros_like(x), s if bool(torch.isnan(s)) else torch.zeros(())
+    y = x / s
+    q = torch.round(y).clamp(-128, 127) if mode == "int8" else y.to(torch.float8_e4m3fn).to(torch.float32)
+    return q, s
+
+
+def bf16_mac_rows(rows: torch.Tensor, x: torch.Tensor, c1: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 MAC of each row of ``rows`` [..., R, K] with ``x`` [..., K] (both rounded to bf16): [..., R].
+    ``c1`` (broadcastable to the bursts [..., R, K/16]): a per-burst scale, ``fp32(dot16 * c1)`` (fp8 KV rows,
+    whose E4M3 values are exact in bf16)."""
     a = _pad_lanes(round_bf16(x)).unsqueeze(-2)
-    return _canonical_nan(accumulate_bursts(burst_tree(_pad_lanes(round_bf16(rows)) * a)))
+    s = burst_tree(_pad_lanes(round_bf16(rows)) * a)
+    return _canonical_nan(accumulate_bursts(s if c1 is None else s * c1))
+
+
+def _fp8_values(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3FN value of ``fp32(x / s_h)`` (RNE, saturating), [hkv, hd] with scales [hkv]: what the fp8 cache holds."""
+    return (x.to(torch.float32) / scale[:, None]).to(torch.float8_e4m3fn).to(torch.float32)
 
 
 class QuantReference(torch.fx.Interpreter):
@@ -322,6 +353,8 @@ class QuantReference(torch.fx.Interpreter):
         mw = self._weight(w)
         lead = x.shape[:-1]
         if self.mode == "fake-quant":
+            if mw.act:  # the format's own loss: activations fake-quantized per token, fp32 otherwise
+                x = torch.stack([q * sc for q, sc in (act_quant_torch(v, mw.act) for v in x.reshape(-1, x.shape[-1]))]).reshape(x.shape)
             y = F.linear(x, mw.deq)
         else:
             rows = [mw.gemv(v) for v in x.reshape(-1, x.shape[-1])]  # one GEMV per token
@@ -335,12 +368,17 @@ class QuantReference(torch.fx.Interpreter):
         if q.shape[0] != 1 or q.shape[1] != 1:
             raise CompileError(f"the quantized reference runs one decode token at a time, got q of shape {tuple(q.shape)}")
         pos = int(cache_position.reshape(-1)[0])
-        k_cache[0, :, pos] = round_bf16(k.reshape(hkv, hd))  # WR_SBK stores bf16
-        v_cache[0, :, pos] = round_bf16(v.reshape(hkv, hd))
+        fp8 = self.plan is not None and getattr(self.plan, "kv_cache", "bf16") == "fp8"
         rep = num_heads // num_kv_heads
+        if fp8:  # E4M3 codes' values in the cache, the per-head scale applied per burst (nhil.numerics.kv_fp8)
+            k_cache[0, :, pos], v_cache[0, :, pos] = _fp8_values(k.reshape(hkv, hd), self._kv_scale(0, hkv)), _fp8_values(v.reshape(hkv, hd), self._kv_scale(1, hkv))
+            ks, vs = (self._kv_scale(i, hkv).repeat_interleave(rep) for i in (0, 1))
+        else:
+            k_cache[0, :, pos] = round_bf16(k.reshape(hkv, hd))  # WR_SBK stores bf16
+            v_cache[0, :, pos] = round_bf16(v.reshape(hkv, hd))
         qh = q.reshape(num_heads, hd)
         kh = k_cache[0].repeat_interleave(rep, dim=0)  # [Hq, L, hd]
-        scores = bf16_mac_rows(kh, qh)  # [Hq, L]
+        scores = bf16_mac_rows(kh, qh, ks[:, None, None] if fp8 else None)  # [Hq, L]
         s = scores * scale
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
@@ -352,7 +390,7 @@ class QuantReference(torch.fx.Interpreter):
         else:
             p = torch.softmax(s, dim=-1)  # host masked_softmax
         vt = v_cache[0].transpose(1, 2).repeat_interleave(rep, dim=0)  # [Hq, hd, L]: Vᵀ rows
-        out = bf16_mac_rows(vt, p)  # [Hq, hd]
+        out = bf16_mac_rows(vt, p, vs[:, None, None] if fp8 else None)  # [Hq, hd]
         return out.reshape(1, 1, num_heads * hd)
 
 
@@ -375,6 +413,13 @@ class QuantReference(torch.fx.Interpreter):
         v_cache[0, :, pos] = round_bf16(v.reshape(hkv, hd))
         vt = v_cache[0].transpose(1, 2).repeat_interleave(num_heads // num_kv_heads, dim=0)  # [Hq, hd, L]
         return bf16_mac_rows(vt, probs.reshape(num_heads, L)).reshape(1, 1, num_heads * hd)
+
+    def _kv_scale(self, which: int, hkv: int) -> torch.Tensor:
+        """k (0) or v (1) scales [hkv] of the current attention layer (``QuantPlan.kv_scales``; layers numbered in graph
+        order, as ``LowerCtx.next_attention_layer``)."""
+        layers = self.__dict__.setdefault("_attn_layer", {})
+        layer = layers.setdefault(self._current_node.name, len(layers))
+        return torch.from_numpy(np.asarray(self.plan.kv_scales(layer, hkv)[which], np.float32))
 
     def _bf16_weight(self, key, w: torch.Tensor, name: str | None = None) -> MacWeight:
         """The MAC weight of a matrix the lowering places itself (MoE experts, MLA's split kv_b_proj), built once per

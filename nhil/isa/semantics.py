@@ -77,7 +77,7 @@ SEMANTICS: dict[Op, OpSemantics] = {
     Op.MAC_AB: OpSemantics("any", row=True, k="acc", span="row", pseudo="for every bank b: ACC[ch][b][k] += dot(ROW[ch][b][row][bursts col..col+n), GB[ch][same])"),
     Op.MAC_SB: OpSemantics("any", bank=True, row=True, k="acc", span="row", pseudo="ACC[ch][bank][k] += dot(ROW[ch][bank][row][bursts col..col+n), GB[ch][same])"),
     Op.RD_ACC: OpSemantics("any", k="acc", span="acc", elems=lambda i, d: i.n, pseudo="operand = ACC[ch][:, k].flat[col : col+n]"),
-    Op.WR_SBK: OpSemantics("any", bank=True, row=True, span="one_burst", elems=lambda i, d: d.lanes, pseudo="ROW[ch][bank][row][burst col][lanes in imm] = bf16(operand)"),
+    Op.WR_SBK: OpSemantics("any", bank=True, row=True, span="one_burst", elems=lambda i, d: d.lanes, pseudo="ROW[ch][bank][row][burst col][lanes in imm] = bf16(operand) (k=1/2: only the low/high byte of each lane)"),
     Op.RD_SBK: OpSemantics("one", bank=True, row=True, span="row", elems=_n_lanes, pseudo="operand = ROW[ch][bank][row][bursts col..col+n)"),
     Op.WR_ABK: OpSemantics("any", row=True, span="row", elems=_n_lanes, pseudo="for every bank b: ROW[ch][b][row][bursts col..col+n) = bf16(operand)"),
     Op.COPY_BK_GB: OpSemantics("any", bank=True, row=True, span="row_gb", pseudo="GB[ch][bursts col..col+n) = ROW[ch][bank][row][same]"),
@@ -113,6 +113,8 @@ def check_instr(ins: Instr, d: DeviceConfig, operand_count: int | None = None) -
         return f"accumulator {ins.k} >= {d.accumulators}"
     if s.bank and not pos_slot and ins.bank >= d.banks:
         return f"bank {ins.bank} >= {d.banks}"
+    if ins.op is Op.WR_SBK and ins.k not in ((0, 1, 2, 3) if pos_col else (0, 1, 2)):
+        return f"WR_SBK byte select k={ins.k}: 0 (words), 1 / 2 (low / high byte), 3 (byte bound from the position, POS_COL only)"
     if s.k == "cfr":
         from nhil.isa.instr import CFR_ACC_RD_FMT, CFR_W_FMT
 

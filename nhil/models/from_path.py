@@ -3,7 +3,9 @@
 Three kinds of PATH (:func:`load_model_path`):
 
 * a **Hugging Face folder**: ``config.json`` + ``*.safetensors`` (sharded or not, as
-  ``save_pretrained`` writes them), tokenizer files if present. Loaded with
+  ``save_pretrained`` writes them), tokenizer files if present. A pre-quantized checkpoint
+  (``quantization_config``: compressed-tensors, ``fp8``) is dequantized by its producer's code
+  for the fp32 model and its shipped tensors kept for ``QUANT=native`` (:mod:`nhil.models.prequant`). Loaded with
   ``AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)`` in fp32; every
   parameter must come from the checkpoint (a missing or shape-mismatched tensor is an
   error, never a silent random init).
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from nhil.errors import SetupError
+from nhil.models.prequant import check_against_dense, load_dense_config, quant_config_of, read_native
 from nhil.models.registry import ModelBundle
 
 __all__ = ["looks_like_path", "model_label", "load_model_path", "MAX_SEEDED_PARAMS"]
@@ -158,10 +161,13 @@ def _load_folder(folder: Path, layers: int | None) -> ModelBundle:
                          f"for seeded random weights give the config alone: --model {cfg_path}")
     if layers is not None:
         _cut_layers(config, layers, cfg_path)
+    qcfg = quant_config_of(cfg_path)  # a pre-quantized checkpoint: its tensors read (and checked) before transformers sees them
+    native = read_native(folder, qcfg, config) if qcfg else None
+    extra = {"quantization_config": load_dense_config(qcfg)} if qcfg else {}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(folder), config=config, dtype=torch.float32, local_files_only=True,
-            output_loading_info=True, ignore_mismatched_sizes=True)
+            output_loading_info=True, ignore_mismatched_sizes=True, **extra)
     except Exception as e:  # noqa: BLE001 - safetensors / transformers raise many types
         raise SetupError(f"{folder}: loading the checkpoint failed: {type(e).__name__}: {str(e)[:300]}") from None
     bad = sorted(info.get("mismatched_keys") or [], key=lambda t: t[0])
@@ -175,10 +181,12 @@ def _load_folder(folder: Path, layers: int | None) -> ModelBundle:
         raise SetupError(f"{folder}: {len(missing)} weight(s) the config needs are missing from *.safetensors, e.g. {missing[0]}; "
                          "the checkpoint is incomplete or for another config (nhil never fills weights with random values)")
     model.eval()
+    if native is not None:
+        check_against_dense(native, model)
     tok = _tokenizer(folder) if any((folder / f).exists() for f in _TOKENIZER_FILES) else None
     wid = "sha256:" + _sha256_files(weights + [cfg_path]) + (f";layers:{layers}" if layers is not None else "")
     return ModelBundle(name=model_label(str(folder)), model=model, tokenizer=tok, weights_id=wid, source=str(folder),
-                       default_prompt="The capital of France is" if tok is not None else None)
+                       default_prompt="The capital of France is" if tok is not None else None, native=native)
 
 
 def _truncate_loaded(model: torch.nn.Module, layers: int, where: Path) -> None:

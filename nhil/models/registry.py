@@ -28,6 +28,8 @@ class ModelBundle:
             or ``"seed:<n>"`` for seeded tiny configs.
         source: human-readable origin (file path or config description).
         default_prompt: prompt text (real models) or ``None``.
+        native: for a pre-quantized checkpoint, its shipped tensors
+            (:class:`nhil.models.prequant.NativeWeights`, what ``QUANT=native`` keeps); else ``None``.
     """
 
     name: str
@@ -36,6 +38,7 @@ class ModelBundle:
     weights_id: str
     source: str
     default_prompt: str | None = None
+    native: object | None = None
 
     def encode(self, prompt: str | None) -> list[int]:
         """Token ids of ``prompt`` (int64 ids, no batch dim).

@@ -14,8 +14,13 @@ Binding rules (``docs/isa.md`` section "Position-relative instructions"), ``t = 
 * ``POS_SLOT``: ``slot = t % S``, ``ch = slot // banks``, ``bank = slot % banks``, ``row += t // S``.
 * ``POS_COL``: ``row += t // cols``, ``col = (t % cols) // lanes``, ``imm = 1 << (t % lanes)``;
   the one-element payload goes to lane ``t % lanes``.
+* ``POS_COL`` on a WR_SBK with ``k = 3`` (fp8 Vᵀ append, ``nhil.numerics.kv_fp8``): byte
+  ``j = 4 + t % P`` of row ``row + t // P``: ``col = (j // 2) // lanes``, lane ``(j // 2) % lanes``,
+  ``k = 1 + j % 2`` (low / high byte).
 * Payloads of ``WR_GB``/``WR_SBK``/``WR_ABK`` are the operand's fp32 values rounded to bf16
   (RNE, ``nhil.numerics.bf16``), zero-padded to whole bursts; ``WR_ACC`` payloads stay fp32.
+  Buffers in ``program.info["raw_buffers"]`` hold 16-bit words as exact fp32 integers and are
+  sent as those words (fp8 KV rows).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from nhil.errors import RunError
 from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Op
 from nhil.isa.program import Program
 from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from nhil.numerics.kv_fp8 import bind_v_byte
 from nhil.runtime.host_kernels import KERNELS
 from nhil.targets.base import ResolvedInstr, Target
 
@@ -48,6 +54,7 @@ class Runner:
             if h.kernel not in KERNELS:
                 raise RunError(f"program calls unknown host kernel {h.kernel!r}; this nhil has {', '.join(sorted(KERNELS))}")
         self.bufs = {n: np.zeros(c, np.float32) for n, c in program.buffers.items()}
+        self.raw = frozenset(program.info.get("raw_buffers", ()))
         # writable copies: a decoded program's images are read-only views of the file bytes
         self.images = {n: np.array(a, dtype=np.float32) for n, a in program.host_images.items()}
         self.segments: list[tuple[str, object]] = []
@@ -125,7 +132,10 @@ class Runner:
         if ins.flags & FLAG_POS_SLOT:
             slot = pos % d.slots
             ins = ins._replace(flags=ins.flags & ~FLAG_POS_SLOT, ch=slot // d.banks, bank=slot % d.banks, row=ins.row + pos // d.slots)
-        if ins.flags & FLAG_POS_COL:
+        if ins.flags & FLAG_POS_COL and ins.op is Op.WR_SBK and ins.k == 3:  # fp8 Vᵀ append: one byte (nhil.numerics.kv_fp8)
+            drow, col, lane, half = bind_v_byte(pos, d.cols, d.lanes)
+            ins = ins._replace(flags=ins.flags & ~FLAG_POS_COL, row=ins.row + drow, col=col, imm=1 << lane, k=half)
+        elif ins.flags & FLAG_POS_COL:
             lane = pos % d.lanes
             ins = ins._replace(flags=ins.flags & ~FLAG_POS_COL, row=ins.row + pos // d.cols, col=(pos % d.cols) // d.lanes, imm=1 << lane)
         info = OPINFO[ins.op]
@@ -137,8 +147,9 @@ class Runner:
                 if bits is None:
                     bits = {}
                 b = bits.get(o.buffer)
-                if b is None:
-                    b = bits[o.buffer] = f32_to_bf16_bits(self.bufs[o.buffer])
+                if b is None:  # raw buffers hold 16-bit words as exact fp32 integers (fp8 KV rows), others bf16 values
+                    buf = self.bufs[o.buffer]
+                    b = bits[o.buffer] = buf.astype(np.uint16) if o.buffer in self.raw else f32_to_bf16_bits(buf)
                 n = d.lanes if ins.op is Op.WR_SBK else ins.n * d.lanes
                 payload = np.zeros(n, np.uint16)
                 if lane is not None:

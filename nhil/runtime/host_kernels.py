@@ -314,3 +314,6 @@ def _check_aten_graph(n_inputs: int, n_outputs: int, attrs: dict) -> str | None:
 
 
 VALIDATORS["aten_graph"] = _check_aten_graph
+
+from nhil.runtime import host_kv_fp8 as _host_kv_fp8  # noqa: E402,F401 - registers the FP8 KV-cache kernels
+from nhil.runtime import host_act_quant as _host_act_quant  # noqa: E402,F401 - registers the W8A8 activation kernels

@@ -34,7 +34,7 @@ from nhil.errors import LoadError, RunError, SetupError
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
 from nhil.isa.instr import ALL_CH, CFR_W_FMT, OPINFO, Instr, Op
 from nhil.isa.program import Program
-from nhil.numerics.formats import DEVICE_FORMATS
+from nhil.numerics.formats import FORMATS
 from nhil.numerics.mac import LANES
 from nhil.isa.semantics import check_instr
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
@@ -43,8 +43,9 @@ from nhil.targets.rtl.build import REPO, RTL_DIR, SIM_SOURCES, SIM_TOP, BuildSpe
 
 RTL_OPS = DEVICE_OPS  # every non-reserved ISA v0 device opcode
 # Weight formats the RTL's MAC lanes decode (rtl_stubs/pim_wdec.sv, pim_fp_pkg::wfmt_fetch): every
-# device format of nhil.numerics.formats, on devices with 16 MAC lanes (the formats' burst); bf16 on others.
-RTL_FORMATS = DEVICE_FORMATS
+# device format of nhil.numerics.formats.FORMATS, on devices with 16 MAC lanes (the formats' burst); bf16 on others.
+# The pre-quantized checkpoint formats (formats.PREQUANT: int4 fp32-scale groups, FP8 block, nvfp4-gs) are not decoded.
+RTL_FORMATS = frozenset({"bf16", *FORMATS})
 INJECTED_BUGS = {"rne": "INJECT_RNE_BUG", "decode": "INJECT_DECODE_BUG"}
 
 

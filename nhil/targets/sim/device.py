@@ -160,7 +160,12 @@ class PimState:
             self.drop_decoded(s)
             lanes = ((ins.imm >> np.arange(L)) & 1).astype(bool)
             seg = self.mem[cs, ins.bank, s, sp]
-            seg[:, lanes] = p[lanes]
+            if ins.k in (1, 2):  # byte write mask: the low (k=1) or high (k=2) byte of each lane, from the payload's low byte
+                keep, sh = (np.uint16(0xFF00), 0) if ins.k == 1 else (np.uint16(0x00FF), 8)
+                p = (seg & keep) | ((p & np.uint16(0xFF)) << np.uint16(sh)).astype(np.uint16)
+            elif ins.k:
+                raise self._err(idx, ins, f"WR_SBK k={ins.k}: the byte select is 0 (words), 1 (low byte) or 2 (high byte)")
+            seg[:, lanes] = p[..., lanes] if p.ndim == 2 else p[lanes]
             self.mem[cs, ins.bank, s, sp] = seg
             return None
         if op is Op.WR_ABK:

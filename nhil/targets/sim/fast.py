@@ -105,7 +105,7 @@ class FastPimState(PimState):
         pay = np.empty((m, L), np.uint16)
         for t in range(m):
             _, ins, p = block[i + t]
-            if (ins.flags & ALL_CH or ins.ch >= d.channels or ins.bank >= d.banks or ins.row >= d.rows or (ins.col + 1) * L > d.cols
+            if (ins.flags & ALL_CH or ins.k or ins.ch >= d.channels or ins.bank >= d.banks or ins.row >= d.rows or (ins.col + 1) * L > d.cols
                     or p is None or p.size != L or p.dtype != np.uint16):
                 return False
             ch[t], bank[t], row[t], col[t], imm[t] = ins.ch, ins.bank, ins.row, ins.col, ins.imm
