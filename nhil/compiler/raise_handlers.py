@@ -301,6 +301,9 @@ def h_scaled_embedding(ctx: Ctx) -> None:
     t = ctx.r.state_tensor(ctx.r.fqn[sc.name])
     if t.dim() != 0 or t.dtype != torch.float32:
         raise Mismatch(ctx.nodes[-1], "embedding scale must be a 0-d fp32 buffer")
+    ids = ctx.tensor(b["ids"])
+    if ids.op != "placeholder":  # ids computed in the graph (Gemma 3's image-token substitution): host ATen
+        raise Mismatch(ctx.nodes[0], "embedding lookup by computed ids is not the token embedding")
     ctx.set(b["out"], ctx.emit(nhil.embedding.default, ctx.param(b["table"]), ctx.tensor(b["ids"]), float(t)))
 
 
