@@ -113,24 +113,13 @@ def test_an_op_no_pattern_raises_runs_as_exact_host_aten():
     assert ("model.model.layers.0.mlp.act_fn", "GELU", "host ATen") in raised.raised_by
 
 
-class _InlineProjection(torch.nn.Module):
-    """An MLP whose down projection is ``x @ W.T`` written as a matmul: PIM-bound work in a form no pattern raises."""
-
-    def __init__(self, mlp):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, x):
-        m = self.mlp
-        h = m.act_fn(m.gate_proj(x)) * m.up_proj(x)
-        return torch.matmul(h, m.down_proj.weight.t())
-
-
 def test_a_gemv_no_pattern_raises_is_a_compile_error_naming_it():
     from nhil.models.llama import build_llama_tiny
 
     model = build_llama_tiny().model
-    model.model.layers[1].mlp = _InlineProjection(model.model.layers[1].mlp)
+    from tests.test_host_aten import InlineDown  # an MLP whose down projection is matmul(h, W.t())
+
+    model.model.layers[1].mlp = InlineDown(model.model.layers[1].mlp)
     ep, _ = export_decode(model, 8)
     with pytest.raises(CompileError) as err:
         raise_graph(ep, "decode")

@@ -183,13 +183,18 @@ def _pos_embedding(a: dict) -> Iterator[Violation]:
     return iter(())
 
 
-@_check("moe")
-def _moe(a: dict) -> Iterator[Violation]:
+def _experts(a: dict) -> Iterator[Violation]:
+    """``num_experts`` >= 1 and 1 <= ``top_k`` <= ``num_experts`` (nhil::moe, nhil::moe_experts)."""
     yield from _at_least(a, "num_experts", 1)
     yield from _at_least(a, "top_k", 1)
     e, k = a["num_experts"], a["top_k"]
     if isinstance(e, int) and isinstance(k, int) and k > e:
         yield "top_k", k, f"must be <= num_experts={e}"
+
+
+@_check("moe")
+def _moe(a: dict) -> Iterator[Violation]:
+    yield from _experts(a)
     yield from _one_of(a, "score_func", SCORE_FUNCS)
     yield from _one_of(a, "act", MOE_ACTS)
     yield from _one_of(a, "experts_layout", EXPERT_LAYOUTS)
@@ -213,11 +218,7 @@ def _attention_halves(a: dict) -> Iterator[Violation]:
 
 @_check("moe_experts")
 def _moe_experts(a: dict) -> Iterator[Violation]:
-    yield from _at_least(a, "num_experts", 1)
-    yield from _at_least(a, "top_k", 1)
-    e, k = a["num_experts"], a["top_k"]
-    if isinstance(e, int) and isinstance(k, int) and k > e:
-        yield "top_k", k, f"must be <= num_experts={e}"
+    yield from _experts(a)
 
 
 @_check("mla_kv", "mla")

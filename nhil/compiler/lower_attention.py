@@ -126,8 +126,6 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
     """
     d = b.d
     hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
-    rep = num_heads // hkv
-    nb = hd // d.lanes
     per_row = d.cols
     k_fmt = v_fmt = None
     # -- KV append (positions bound at run time)
@@ -148,27 +146,12 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
             g, s = divmod(u, S)
             b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_COL, ch=s // d.banks, bank=s % d.banks, row=kv.v_base + g * kv.v_rows_per_group, k=3, operand=b.operand(vq, u, 1))
     else:
-        for c in range(hkv * hd // d.lanes):
-            b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_SLOT, row=kv.k_base, col=c, imm=0xFFFF, operand=b.operand(k, c * d.lanes, d.lanes))
-        for u in range(hkv * hd):
-            g, s = divmod(u, S)
-            b.emit(Op.WR_SBK, all_ch=False, flags=FLAG_POS_COL, ch=s // d.banks, bank=s % d.banks, row=kv.v_base + g * kv.v_rows_per_group, operand=b.operand(v, u, 1))
+        append_k(b, kv, k)
+        append_v(b, kv, v)
     if k_fmt is not None:
         b.want_wfmt(k_fmt.code, k_fmt.name)
-    # -- scores = q_j · K (one MAC per head per K row-group)
     scores = b.buffer(f"{name}.scores", num_heads * L)
-    units = [(j, r) for j in range(num_heads) for r in range(kv.k_rows)]
-    for u0 in range(0, len(units), d.accumulators):
-        batch = units[u0 : u0 + d.accumulators]
-        for a, _ in enumerate(batch):
-            b.emit(Op.WR_ACC, k=a, n=S, operand=b.operand(ZEROS, 0, S))
-        for a, (j, r) in enumerate(batch):
-            h = j // rep
-            b.write_gb(q, j * hd, hd, col=h * nb)
-            b.emit(Op.MAC_AB, row=kv.k_base + r, col=h * nb, n=nb, k=a)
-        for a, (j, r) in enumerate(batch):
-            cnt = min(S, L - r * S)
-            b.emit(Op.RD_ACC, k=a, n=cnt, operand=b.operand(scores, j * L + r * S, cnt))
+    attention_scores(b, kv, q, scores, num_heads)
     b.want_wfmt(0)
     # -- softmax on the host
     probs = b.buffer(f"{name}.probs", num_heads * L)
@@ -181,29 +164,7 @@ def lower_decode_attention(b: ProgramBuilder, kv: KvLayout, q: str, k: str, v: s
         extra["sinks"] = True
     b.host("masked_softmax", [scores, "$pos"] + ([sinks] if sinks is not None else []), [probs], num_heads=num_heads, max_len=L, scale=float(scale), **extra)
     b.invalidate_gb()
-    # -- out_j = p_j · Vᵀ rows of head j's slots
-    jobs = []
-    for j in range(num_heads):
-        h = j // rep
-        u0, u1 = h * hd, (h + 1) * hd
-        for g in range(u0 // S, (u1 - 1) // S + 1):
-            lo, hi = max(u0, g * S), min(u1, (g + 1) * S)
-            jobs.append((j, g, lo, hi))
-    for j0 in range(0, len(jobs), d.accumulators):
-        batch = jobs[j0 : j0 + d.accumulators]
-        for a, _ in enumerate(batch):
-            b.emit(Op.WR_ACC, k=a, n=S, operand=b.operand(ZEROS, 0, S))
-        if v_fmt is not None:
-            b.want_wfmt(v_fmt.code, v_fmt.name)
-        for rc in range(kv.v_rows_per_group):
-            t0, t1 = rc * per_row, min(L, (rc + 1) * per_row)
-            for a, (j, g, lo, hi) in enumerate(batch):
-                b.write_gb(probs, j * L + t0, t1 - t0)
-                b.emit(Op.MAC_AB, row=kv.v_base + g * kv.v_rows_per_group + rc, n=math.ceil((t1 - t0) / d.lanes), k=a)
-        b.want_wfmt(0)
-        for a, (j, g, lo, hi) in enumerate(batch):
-            h = j // rep
-            b.emit(Op.RD_ACC, k=a, col=lo - g * S, n=hi - lo, operand=b.operand(out, j * hd + (lo - h * hd), hi - lo))
+    attention_values(b, kv, probs, out, num_heads, v_fmt=v_fmt, per_row=per_row)
 
 
 @lowering("nhil::attention_kv")
@@ -226,8 +187,9 @@ def _attention_kv(cx: LowerCtx, node) -> None:
                            sinks=sinks, kv_fp8=kv_fp8)
 
 
-# ---------------------------------------------------------------- eager attention (bf16 KV cache)
-# The bf16 steps of lower_decode_attention, one function each, for nhil::attention_scores / attention_values.
+# ---------------------------------------------------------------- the steps of decode attention
+# (lower_decode_attention runs them in order; eager attention's nhil::attention_scores / attention_values
+# run them around its host-ATen score transform)
 
 def append_k(b: ProgramBuilder, kv: KvLayout, k: str) -> None:
     """K append: ``k`` [Hkv*hd] into slot ``pos % S`` of row ``K_base + pos // S`` (WR_SBK, POS_SLOT)."""
@@ -264,9 +226,12 @@ def attention_scores(b: ProgramBuilder, kv: KvLayout, q: str, scores: str, num_h
             b.emit(Op.RD_ACC, k=a, n=cnt, operand=b.operand(scores, j * L + r * S, cnt))
 
 
-def attention_values(b: ProgramBuilder, kv: KvLayout, probs: str, out: str, num_heads: int) -> None:
-    """``out_j = p_j · Vᵀ`` rows of head j's slots (``probs`` [num_heads*L] in the global buffer, one GEMV per head)."""
+def attention_values(b: ProgramBuilder, kv: KvLayout, probs: str, out: str, num_heads: int, v_fmt=None, per_row: int | None = None) -> None:
+    """``out_j = p_j · Vᵀ`` rows of head j's slots (``probs`` [num_heads*L] in the global buffer, one GEMV per head).
+
+    ``v_fmt`` / ``per_row``: an fp8 Vᵀ cache's MAC format and positions per row (default bf16, ``cols``)."""
     d = b.d
+    per_row = d.cols if per_row is None else per_row
     hd, hkv, L, S = kv.head_dim, kv.kv_heads, kv.max_len, d.slots
     rep = num_heads // hkv
     jobs = []
@@ -280,11 +245,14 @@ def attention_values(b: ProgramBuilder, kv: KvLayout, probs: str, out: str, num_
         batch = jobs[j0 : j0 + d.accumulators]
         for a, _ in enumerate(batch):
             b.emit(Op.WR_ACC, k=a, n=S, operand=b.operand(ZEROS, 0, S))
+        if v_fmt is not None:
+            b.want_wfmt(v_fmt.code, v_fmt.name)
         for rc in range(kv.v_rows_per_group):
-            t0, t1 = rc * d.cols, min(L, (rc + 1) * d.cols)
+            t0, t1 = rc * per_row, min(L, (rc + 1) * per_row)
             for a, (j, g, lo, hi) in enumerate(batch):
                 b.write_gb(probs, j * L + t0, t1 - t0)
                 b.emit(Op.MAC_AB, row=kv.v_base + g * kv.v_rows_per_group + rc, n=math.ceil((t1 - t0) / d.lanes), k=a)
+        b.want_wfmt(0)
         for a, (j, g, lo, hi) in enumerate(batch):
             h = j // rep
             b.emit(Op.RD_ACC, k=a, col=lo - g * S, n=hi - lo, operand=b.operand(out, j * hd + (lo - h * hd), hi - lo))

@@ -97,6 +97,31 @@ def _flat(ctx, x: fx.Node, shape, old: fx.Node) -> fx.Node:
     return _emit(ctx, aten.reshape.default, (t, [b, s, h * hd]), {}, old)
 
 
+def _flat_qkv(ctx, done: dict, heads, old: fx.Node) -> list[fx.Node]:
+    """The graph-IR [B,S,H*hd] forms of the q / k / v heads (old nodes ``heads``): emitted by the glue
+    (``done``) or recomputed, in the exported shape, then flattened (host ATen, exact re-layout)."""
+    from nhil.compiler.host_aten import _exported_shape, materialise
+
+    news = [done[x] if x in done else _exported_shape(ctx, materialise(ctx, x), x) for x in heads]
+    _new_group(ctx)
+    return [_flat(ctx, n, _val(x).shape, old) for n, x in zip(news, heads)]
+
+
+def _cache_position(ctx) -> fx.Node:
+    """The graph IR's ``cache_position`` input."""
+    return next(v for k, v in ctx.r.env.items() if k.op == "placeholder" and k.name == "cache_position")
+
+
+def _heads_out(ctx, att: fx.Node, shape, old: fx.Node, done: dict) -> None:
+    """Map the exported core output ``old`` ([B,Hq,S,hd]) to the primitive's [B,S,Hq*hd] output viewed back."""
+    b, hq, s, hd = shape
+    _new_group(ctx)
+    r = _emit(ctx, aten.reshape.default, (att, [b, s, hq, hd]), {}, old)
+    oh = _emit(ctx, aten.transpose.int, (r, 1, 2), {}, old)
+    ctx.set(old, oh)
+    done[old] = oh
+
+
 def h_attention_anchor(ctx) -> None:
     """Any attention layer: anchors -> ``nhil::attention_kv`` / ``nhil::attention``, the rest host ATen.
 
@@ -178,28 +203,17 @@ def h_attention_anchor(ctx) -> None:
     pre = [n for n in rest if n in pre_set]
     post = [n for n in rest if n not in pre_set]
     done = emit_host(ctx, pre)
-    from nhil.compiler.host_aten import _exported_shape, materialise
-
-    def new(x):
-        return done[x] if x in done else _exported_shape(ctx, materialise(ctx, x), x)
-
-    qn, kn, vn = new(q_h), new(k_h), new(v_h)
-    _new_group(ctx)
-    qf, kf, vf = _flat(ctx, qn, qv.shape, o), _flat(ctx, kn, kh_v.shape, o), _flat(ctx, vn, vh_v.shape, o)
+    qf, kf, vf = _flat_qkv(ctx, done, (q_h, k_h, v_h), o)
     extra = (window,) if window is not None else ()
     if decode:
-        cp = next(v for k, v in ctx.r.env.items() if k.op == "placeholder" and k.name == "cache_position")
+        cp = _cache_position(ctx)
         kc, vc = ctx.param(kcache), ctx.param(vcache)
         att = ctx.emit(nhil.attention_kv.default, qf, kf, vf, kc, vc, cp, hq, hkv, float(scale), *extra)
         ctx.set(k_src, Marker("cache_write", kc))
         ctx.set(v_src, Marker("cache_write", vc))
     else:
         att = ctx.emit(nhil.attention.default, qf, kf, vf, hq, hkv, float(scale), *extra)
-    _new_group(ctx)
-    r = _emit(ctx, aten.reshape.default, (att, [b, s, hq, hd]), {}, o)
-    oh = _emit(ctx, aten.transpose.int, (r, 1, 2), {}, o)
-    ctx.set(o, oh)
-    done[o] = oh
+    _heads_out(ctx, att, qv.shape, o, done)
     emit_host(ctx, post, done)
     if decode:
         ctx.r.cache_names += [kc.target, vc.target]
@@ -300,17 +314,9 @@ def h_attention_eager(ctx) -> None:
     if set(pre) & set(mid):
         raise Mismatch(s_mm, "eager attention: the query depends on the scores")
     post = [n for n in rest if n not in pre_set and n not in mid_set]
-    from nhil.compiler.host_aten import _exported_shape, materialise
-
     done = emit_host(ctx, pre)
-
-    def new(x):
-        return done[x] if x in done else _exported_shape(ctx, materialise(ctx, x), x)
-
-    qn, kn, vn = new(q_h), new(k_h), new(v_h)
-    _new_group(ctx)
-    qf, kf, vf = _flat(ctx, qn, qv.shape, s_mm), _flat(ctx, kn, kh_v.shape, s_mm), _flat(ctx, vn, vh_v.shape, s_mm)
-    cp = next(v for k, v in ctx.r.env.items() if k.op == "placeholder" and k.name == "cache_position")
+    qf, kf, vf = _flat_qkv(ctx, done, (q_h, k_h, v_h), s_mm)
+    cp = _cache_position(ctx)
     kcn, vcn = ctx.param(kcache), ctx.param(vcache)
     scores = ctx.emit(nhil.attention_scores.default, qf, kf, kcn, cp, hq, hkv)
     _new_group(ctx)
@@ -318,11 +324,7 @@ def h_attention_eager(ctx) -> None:
     done[s_mm] = scores
     done.update(emit_host(ctx, mid, done))
     att = ctx.emit(nhil.attention_values.default, done[probs], vf, vcn, cp, hq, hkv)
-    _new_group(ctx)
-    r = _emit(ctx, aten.reshape.default, (att, [b, s, hq, hd]), {}, p_mm)
-    oh = _emit(ctx, aten.transpose.int, (r, 1, 2), {}, p_mm)
-    ctx.set(p_mm, oh)
-    done[p_mm] = oh
+    _heads_out(ctx, att, qv.shape, p_mm, done)
     ctx.set(kc, Marker("cache_write", kcn))
     ctx.set(vc, Marker("cache_write", vcn))
     emit_host(ctx, post, done)
