@@ -26,6 +26,33 @@ def test_tiny_config_shrinks_through_attribute_maps(arch):
             assert getattr(cfg, k) == 4 and cfg.num_experts_per_tok == 2
 
 
+# each case: a config whose shrink the class's own validators (transformers' strict dataclasses) refused before,
+# and the relation those validators check, read back from the round-tripped config.json
+_VALIDATED = {
+    "zaya": lambda c: c.num_experts_per_tok == 1,  # the shrink to 2 experts per token goes back to ZAYA's only value
+    "dory": lambda c: (c.n_input_layers, c.n_recurrent_layers, c.n_output_layers, c.num_hidden_layers) == (1, 1, 1, 3),
+    "xlnet": lambda c: c.d_head * c.n_head == c.d_model,
+    "bamba": lambda c: c.mamba_n_heads * c.mamba_d_head == c.mamba_expand * c.hidden_size,
+    "falcon_h1": lambda c: c.mamba_n_heads * c.mamba_d_head == c.mamba_expand * c.hidden_size == c.mamba_d_ssm,
+    "ministral": lambda c: c.head_dim == 16,  # None by default, read as a number by the attention
+    "nemotron": lambda c: c.num_key_value_heads == 2,
+    "bert": lambda c: c.is_decoder is True,  # BertLMHeadModel is causal (and caches) only as a decoder
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_VALIDATED))
+def test_tiny_config_passes_the_config_class_validators(arch, tmp_path):
+    """The tiny config survives ``save_pretrained`` -> ``AutoConfig.from_pretrained`` (which runs the class's
+    validators) and builds its causal-LM class."""
+    import transformers
+    from transformers import AutoConfig
+
+    tiny_config(arch).save_pretrained(tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert _VALIDATED[arch](cfg), arch
+    getattr(transformers, causal_lm_architectures()[arch])(cfg)
+
+
 def test_architecture_list_is_transformers_causal_lm_mapping():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -107,7 +134,7 @@ def test_landscape_rows_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_landscape_default_subset(tmp_path):
-    """The representative subset (15 architectures, one process each): the rows the full run measured
+    """The representative subset (16 architectures, one process each): the rows the full run measured
     as PASS still pass with every weight matrix on PIM; every other row names its cause; nothing crashes."""
     from nhil.landscape import DEFAULT_SUBSET, run_landscape
     from nhil.landscape.runner import SUBSET_PASS

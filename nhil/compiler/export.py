@@ -7,6 +7,7 @@ ExecuTorch recipe ``TorchExportableModuleForDecoderOnlyLM`` with a ``StaticCache
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -100,7 +101,26 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
         else:
             _shape_cache_as_written(wrapper.model, model)
         with torch.no_grad():
-            ep = wrapper.export(input_ids=example[0], cache_position=example[1])
+            try:
+                ep = wrapper.export(input_ids=example[0], cache_position=example[1])
+                if _value_sliced(ep) and _accepts_position_ids(model):
+                    # exported, but the positions are a slice at a tensor's value (BERT's position_ids buffer
+                    # [cache_length:]): a size only known at run time, handed in below as for the failures
+                    raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION, "data-dependent slice")
+            except Exception as e:
+                if not (_data_dependent(e) and _accepts_position_ids(model)):
+                    raise
+                ep = None
+                for mask_len in (None, L):  # positions handed in (OPT, XGLM), then an all-ones padding mask too (BioGPT)
+                    _same_steps_with_positions(wrapper.model, model, mask_len, e)
+                    with _positions_from_cache(model, mask_len):
+                        try:
+                            ep = wrapper.export(input_ids=example[0], cache_position=example[1])
+                            break
+                        except Exception as again:
+                            if mask_len is not None or not _data_dependent(again):
+                                raise
+            assert ep is not None
     except CompileError:
         raise
     except Exception as e:
@@ -111,6 +131,83 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
         if saved_use_cache is not None:
             model.config.use_cache = saved_use_cache
     return ep, example
+
+
+def _data_dependent(e: BaseException) -> bool:
+    """True when torch.export failed on a value-dependent size (an unbacked symbol from ``.item()``)."""
+    text = f"{type(e).__name__}: {e}".lower()
+    return "data-dependent" in text or "pendingunbackedsymbolnotfound" in text
+
+
+def _value_sliced(ep: torch.export.ExportedProgram) -> bool:
+    """True when a tensor's value (``aten.item``) sets the bounds of a slice in ``ep``'s graph."""
+    slicing = {torch.ops.aten.slice.Tensor, torch.ops.aten.narrow.default}
+    return any(n.op == "call_function" and n.target == torch.ops.aten.item.default and any(u.target in slicing for u in n.users)
+               for n in ep.graph.nodes)
+
+
+def _accepts_position_ids(model: torch.nn.Module) -> bool:
+    import inspect
+
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+@contextlib.contextmanager
+def _positions_from_cache(model: torch.nn.Module, mask_len: int | None = None):
+    """Pass ``position_ids`` [1, 1] int64 = the cache position to every call of the model (a forward pre-hook),
+    and with ``mask_len`` an all-ones ``attention_mask`` [1, mask_len] fp32 (no padding over the
+    whole static cache: the causal rule alone decides, as with no mask).
+
+    Models that derive their positions from ``cache.get_seq_length()`` and slice a cumsum with it
+    (OPT's learned positions, BioGPT, XGLM, CTRL's sinusoids, ...) make torch.export guard on a
+    tensor value; a static-cache decode step's position is ``cumulative_length`` of the cache's
+    first layer at entry (transformers' export wrapper sets it to ``cache_position[0]`` before the
+    call), so handing it in as ``position_ids`` is the same arithmetic with a static shape. The
+    hook is removed on exit, so eager generation is untouched.
+    """
+    def with_positions(module, args, kwargs):
+        cache = kwargs.get("cache")
+        if kwargs.get("position_ids") is None and cache is not None and getattr(cache, "layers", None):
+            kwargs["position_ids"] = cache.layers[0].cumulative_length.reshape(1, 1).clone()
+        if mask_len is not None and kwargs.get("attention_mask") is None:
+            kwargs["attention_mask"] = torch.ones((1, mask_len), dtype=torch.float32)
+        return args, kwargs
+
+    hook = model.register_forward_pre_hook(with_positions, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def _same_steps_with_positions(static_module: torch.nn.Module, model: torch.nn.Module, mask_len: int | None, why: BaseException,
+                               steps: int = 3) -> None:
+    """Check, eagerly and bit for bit, that :func:`_positions_from_cache` keeps the model's arithmetic: the logits
+    of ``steps`` decode steps through the static-cache module (token ``1 + p`` at position ``p``) with the hook
+    equal those without it. The cache buffers are restored afterwards.
+
+    Raises:
+        CompileError: the model's own positions are not the cache positions (RoBERTa counts from
+            ``padding_idx + 1``), so handing them in would change the model; names the original export failure.
+    """
+    saved = {k: b.clone() for k, b in static_module.named_buffers()}
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for p in range(steps):
+            out.append(static_module(input_ids=torch.tensor([[1 + p]]), cache_position=torch.tensor([p])))
+        for k, b in static_module.named_buffers():
+            b.copy_(saved[k])
+        return out
+
+    with torch.no_grad():
+        want = run()
+        with _positions_from_cache(model, mask_len):
+            got = run()
+    if not all(torch.equal(a, b) for a, b in zip(want, got)):
+        raise CompileError(f"torch.export of the decode step failed on a value-dependent size ({type(why).__name__}: "
+                           f"{str(why).splitlines()[0][:200]}), and this model's positions are not its cache positions, "
+                           "so they cannot be handed in as position_ids without changing its logits")
 
 
 def _shape_mla_cache(static_module: torch.nn.Module, config) -> None:

@@ -137,6 +137,9 @@ def h_rms_norm(ctx: Ctx) -> None:
         extra = (hd,)
     else:
         x = ctx.tensor(b["x"])
+        shape = _val(b["x"]).shape
+        if shape.numel() != shape[-1]:  # a host-side [1, H, 1, hd] value (HunYuan's QK-norm after RoPE): per row
+            extra = (int(shape[-1]),)
     if i == 1:
         extra = (extra[0] if extra else None, True)
     ctx.set(b["out"], ctx.emit(nhil.rms_norm.default, x, w, b["eps"], *extra))
@@ -343,6 +346,7 @@ INDEX_OPS = {
     aten.slice.Tensor, aten.diff.default, aten.ne.Scalar, aten.cumsum.default, aten.expand.default,
     aten.new_ones.default, aten.index.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor,
     aten.gt.Tensor, aten.eq.Tensor, aten.__and__.Tensor, aten.__or__.Tensor, aten.view.default, aten.select.int,
+    aten.to.device, aten.to.dtype,  # a padding mask moved / cast (bool or int: floats are refused below)
 }
 # bool -> additive float mask (masking_utils.eager_mask: where(mask, 0, finfo.min))
 FLOAT_MASK_OPS = {aten.zeros.default, aten.where.ScalarOther, aten.where.self, aten.scalar_tensor.default}
@@ -354,6 +358,17 @@ def _window_of(t: torch.Tensor, p: int) -> int | None:
     row = t[0, 0, -1]
     vis = int(row.sum()) if row.dtype == torch.bool else int((row == 0).sum())
     return vis if vis < min(q_last + 1, t.shape[3]) else None
+
+
+CONSTANT_FILLS = {aten.ones.default, aten.zeros.default, aten.full.default}
+
+
+def _constant_of(a: fx.Node) -> torch.Tensor | None:
+    """The value of ``a`` when it is a fill of constants only (the all-ones padding mask the
+    export hands BioGPT-like models, ``nhil.compiler.export._positions_from_cache``), else None."""
+    if a.op != "call_function" or a.target not in CONSTANT_FILLS or a.all_input_nodes:
+        return None
+    return a.target(*a.args, **a.kwargs)
 
 
 def h_index_arith(ctx: Ctx) -> None:
@@ -382,11 +397,14 @@ def h_index_arith(ctx: Ctx) -> None:
             a = ctx.r.canon(a)
             if a not in ctx.members and a not in externals:
                 externals.append(a)
+    consts = {a: _constant_of(a) for a in externals}
+    consts = {a: t for a, t in consts.items() if t is not None}
+    externals = [a for a in externals if a not in consts]
     markers = [ctx.marker(a, "cache_pos0") for a in externals]
     outputs = [n for n in ctx.nodes if ctx.outside_users(n)]
 
     def evaluate(p: int) -> dict:
-        vals = {a: torch.full(_val(a).shape, p, dtype=_val(a).dtype) for a in externals}
+        vals = {a: torch.full(_val(a).shape, p, dtype=_val(a).dtype) for a in externals} | consts
         look = lambda a: vals[ctx.r.canon(a)]  # noqa: E731
         for n in ctx.nodes:
             vals[n] = n.target(*fx.node.map_arg(n.args, look), **fx.node.map_arg(n.kwargs, look))

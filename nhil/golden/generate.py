@@ -49,6 +49,62 @@ def _first_tensor(out: Any, where: str) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _teacher_forced(model, stack, ids: torch.Tensor, tokens: torch.Tensor, cls: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One no-cache forward over ``prompt + tokens[:-1]`` [1, P+T-1]: per-layer hidden states (hooked) and the
+    logits [T, V] fp32 that predict ``tokens``.
+
+    Raises:
+        GoldenError: the forward failed, or a hooked module's output is not [1, P+T-1, hidden].
+    """
+    P, T = ids.shape[1], tokens.numel()
+    captured: dict[str, torch.Tensor] = {}
+    S = P + T - 1
+
+    def hook(name: str, where: str):
+        def fn(_module, _inp, output):
+            h = _first_tensor(output, where)
+            if h.dim() != 3 or h.shape[0] != 1 or h.shape[1] != S:
+                raise GoldenError(f"cannot capture the golden: {where} returned shape {tuple(h.shape)}, expected [1, {S}, hidden] (token-major hidden state)")
+            captured[name] = h[0].detach().to(torch.float32).clone()
+
+        return fn
+
+    handles = [stack.embedding.register_forward_hook(hook(act_name("model.embed_tokens"), f"token embedding {stack.embedding_path!r}"))]
+    for i, layer in enumerate(stack.layers):
+        handles.append(layer.register_forward_hook(hook(act_name(f"model.layers.{i}"), f"decoder layer {stack.layers_path}.{i} ({type(layer).__name__})")))
+    try:
+        full = torch.cat([ids[0], tokens[:-1]]).unsqueeze(0)
+        fwd = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False)
+    except GoldenError:
+        raise
+    except Exception as e:  # noqa: BLE001 - as for generate
+        raise GoldenError(f"cannot generate the golden: eager {cls} forward (teacher-forced, no cache) failed: {type(e).__name__}: {str(e)[:300]}") from e
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [n for n in [act_name("model.embed_tokens")] + [act_name(f"model.layers.{i}") for i in range(len(stack.layers))] if n not in captured]
+    if missing:
+        raise GoldenError(f"cannot capture the golden of {cls}: the forward pass never called {', '.join(missing)} (layers under {stack.layers_path!r})")
+    return captured, fwd.logits[0, P - 1 :, :].to(torch.float32).contiguous()  # [T, V]
+
+
+def _greedy_without_cache(model, ids: torch.Tensor, n_tokens: int, cls: str) -> torch.Tensor:
+    """``n_tokens`` greedy tokens int64 [T], each the argmax of a full no-cache forward over the sequence so far.
+
+    Raises:
+        GoldenError: a forward failed.
+    """
+    seq = ids
+    try:
+        with torch.no_grad():
+            for _ in range(n_tokens):
+                nxt = model(input_ids=seq, attention_mask=torch.ones_like(seq), use_cache=False).logits[0, -1].argmax()
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    except Exception as e:  # noqa: BLE001 - as for generate
+        raise GoldenError(f"cannot generate the golden: eager {cls} forward (greedy, no cache) failed: {type(e).__name__}: {str(e)[:300]}") from e
+    return seq[0, ids.shape[1]:].to(torch.int64)
+
+
 def generate_golden(
     bundle: Any,
     prompt_ids: list[int],
@@ -80,7 +136,9 @@ def generate_golden(
           layer l (residual stream, before the final norm).
 
         Metadata (all str): model, weights_id, prompt, prompt_ids (JSON list), n_tokens,
-        seed, dtype ("float32"), config_hash, generator ("pytorch-eager"), num_layers,
+        seed, dtype ("float32"), config_hash, generator ("pytorch-eager"), greedy ("generate", or
+        "forward without cache ..." when ``generate`` disagreed with the teacher-forced forward at more
+        than half the steps: it computed another function, e.g. RoBERTa-family positions), num_layers,
         embedding_path / layers_path (module paths the activations were captured at),
         hidden_size, vocab_size, teacher_forced_argmax_matches ("true"/"false": argmax of
         every ``logits`` row equals ``tokens``), teacher_forced_mismatch_steps (JSON
@@ -125,36 +183,15 @@ def generate_golden(
     if tokens.numel() != T:
         raise GoldenError(f"cannot generate the golden: {cls}.generate returned {tokens.numel()} new tokens, expected {T}")
 
-    captured: dict[str, torch.Tensor] = {}
-    S = P + T - 1
-
-    def hook(name: str, where: str):
-        def fn(_module, _inp, output):
-            h = _first_tensor(output, where)
-            if h.dim() != 3 or h.shape[0] != 1 or h.shape[1] != S:
-                raise GoldenError(f"cannot capture the golden: {where} returned shape {tuple(h.shape)}, expected [1, {S}, hidden] (token-major hidden state)")
-            captured[name] = h[0].detach().to(torch.float32).clone()
-
-        return fn
-
-    handles = [stack.embedding.register_forward_hook(hook(act_name("model.embed_tokens"), f"token embedding {stack.embedding_path!r}"))]
-    for i, layer in enumerate(stack.layers):
-        handles.append(layer.register_forward_hook(hook(act_name(f"model.layers.{i}"), f"decoder layer {stack.layers_path}.{i} ({type(layer).__name__})")))
-    try:
-        full = torch.cat([ids[0], tokens[:-1]]).unsqueeze(0)
-        fwd = model(input_ids=full, attention_mask=torch.ones_like(full), use_cache=False)
-    except GoldenError:
-        raise
-    except Exception as e:  # noqa: BLE001 - as for generate
-        raise GoldenError(f"cannot generate the golden: eager {cls} forward (teacher-forced, no cache) failed: {type(e).__name__}: {str(e)[:300]}") from e
-    finally:
-        for h in handles:
-            h.remove()
-    missing = [n for n in [act_name("model.embed_tokens")] + [act_name(f"model.layers.{i}") for i in range(len(stack.layers))] if n not in captured]
-    if missing:
-        raise GoldenError(f"cannot capture the golden of {cls}: the forward pass never called {', '.join(missing)} (layers under {stack.layers_path!r})")
-    logits = fwd.logits[0, P - 1 :, :].to(torch.float32).contiguous()  # [T, V]
-
+    captured, logits = _teacher_forced(model, stack, ids, tokens, cls)
+    mism = torch.nonzero(logits.argmax(dim=-1) != tokens).flatten().tolist()
+    greedy = "generate"
+    if 2 * len(mism) > T:
+        # generate() computed another function than the model's forward (RoBERTa-family positions: generate hands in
+        # position_ids from the attention mask, the forward counts from padding_idx + 1): greedy over the forward itself
+        tokens = _greedy_without_cache(model, ids, T, cls)
+        captured, logits = _teacher_forced(model, stack, ids, tokens, cls)
+        greedy = f"forward without cache (generate() disagreed with the forward at {len(mism)}/{T} steps)"
     mism = torch.nonzero(logits.argmax(dim=-1) != tokens).flatten().tolist()
     tensors: dict[str, torch.Tensor] = {"prompt_ids": ids[0].clone(), "tokens": tokens.clone(), "logits": logits}
     tensors[act_name("model.embed_tokens")] = captured[act_name("model.embed_tokens")]
@@ -174,6 +211,7 @@ def generate_golden(
         "dtype": "float32",
         "config_hash": config_hash(model),
         "generator": "pytorch-eager",
+        "greedy": greedy,
         "num_layers": str(len(stack.layers)),
         "embedding_path": stack.embedding_path,
         "layers_path": stack.layers_path,

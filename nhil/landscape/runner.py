@@ -28,11 +28,12 @@ __all__ = ["run_landscape", "DEFAULT_SUBSET", "SUBSET_PASS", "ROW_TIMEOUT_S"]
 ROW_TIMEOUT_S = 600.0
 # the default-test subset (tests/test_landscape.py): PASS rows of each kind (Llama, GPT-2, Gemma 2, MoE with sinks;
 # raised by the attention anchors with host-ATen RoPE variants: GPT-J, Cohere, Phi; host-ATen activations and scalar
-# multipliers: Arcee, Granite; MoE on host-ATen routing: GraniteMoE) and one row per failure bucket as measured by
+# multipliers: Arcee, Granite; MoE on host-ATen routing: GraniteMoE; positions handed in at export: OPT, and the
+# BERT-family decoders) and one row per failure bucket as measured by
 # the full run (docs/landscape.md)
 DEFAULT_SUBSET = ("llama", "gpt2", "gemma2", "gpt_oss", "gptj", "cohere", "phi", "arcee", "granite", "granitemoe",
-                  "bloom", "bert", "ctrl", "hrm_text", "dbrx")
-SUBSET_PASS = ("llama", "gpt2", "gemma2", "gpt_oss", "gptj", "cohere", "phi", "arcee", "granite", "granitemoe")
+                  "opt", "bert", "bloom", "ctrl", "hrm_text", "dbrx")
+SUBSET_PASS = ("llama", "gpt2", "gemma2", "gpt_oss", "gptj", "cohere", "phi", "arcee", "granite", "granitemoe", "opt", "bert")
 
 
 def _row(arch: str, rows_dir: Path, timeout_s: float, rerun: bool) -> dict:

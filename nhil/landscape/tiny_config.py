@@ -39,7 +39,14 @@ SHRINK: dict[str, int | float] = {
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "state_size": 16, "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_head_dim": 16,
     "num_heads": 4, "ssm_state_size": 16, "n_groups": 1, "mamba_n_groups": 1,
+    # XLNet-style explicit per-head width (validated against d_model // n_head)
+    "d_head": 16,
 }
+# fields a config class leaves None by default though its model needs a number (Ministral's head_dim,
+# Nemotron's KV heads): None there means "not set", so the tiny value is used
+FILL_NONE: dict[str, int] = {"head_dim": 16, "num_key_value_heads": 2}
+# MoE counts, filled only when every one of them is None (the class default leaves a MoE model's experts unset)
+FILL_NONE_MOE: dict[str, int] = {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2}
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
 _TEXT_SUBCONFIGS = ("text_config", "decoder", "language_config", "llm_config", "decoder_config")
 
@@ -64,24 +71,47 @@ def _first_two_kinds(types) -> list:
     return [types[0], other] if other is not None else types[:2]
 
 
-def _shrink(cfg) -> None:
+def _set(cfg, key, val) -> bool:
+    try:
+        setattr(cfg, key, val)
+        return True
+    except Exception:  # noqa: BLE001 - a read-only property of this config: leave it
+        return False
+
+
+def _shrink(cfg) -> dict:
+    """Shrink ``cfg`` in place; returns ``{field: value before}`` of every size field changed."""
     from nhil.golden.decoder_stack import num_layers_of
 
     old_layers = num_layers_of(cfg)
+    before: dict = {}
     for key, val in SHRINK.items():
         try:
             cur = getattr(cfg, key)
         except AttributeError:
             continue
-        if _is_num(cur):  # None (e.g. no sliding window), lists and dicts keep their meaning
-            try:
-                setattr(cfg, key, type(cur)(val))
-            except Exception:  # noqa: BLE001 - a read-only property of this config: leave it
-                pass
+        if _is_num(cur) and cur != val:  # None (e.g. no sliding window), lists and dicts keep their meaning
+            if _set(cfg, key, type(cur)(val)):
+                before[key] = cur
+    for key, val in FILL_NONE.items():
+        if key in vars(cfg) and getattr(cfg, key, 0) is None:
+            _set(cfg, key, val)
+    if all(key in vars(cfg) and getattr(cfg, key, 0) is None for key in FILL_NONE_MOE):
+        for key, val in FILL_NONE_MOE.items():
+            _set(cfg, key, val)
+    parts = [k for k, v in vars(cfg).items() if k.endswith("_layers") and k not in SHRINK and _is_num(v) and v > 0]
+    keep = None  # indices of the layers kept, when the stack is described as consecutive parts
+    if old_layers and len(parts) > 1 and sum(getattr(cfg, k) for k in parts) == old_layers:
+        # Dory's input / recurrent / output layers: the first layer of each part
+        keep = [sum(getattr(cfg, k) for k in parts[:i]) for i in range(len(parts))]
+        for k in parts:
+            _set(cfg, k, 1)
+        _set(cfg, "num_hidden_layers", len(parts))
     if old_layers and old_layers != 2:
         for key, v in list(vars(cfg).items()):
             if isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
-                setattr(cfg, key, type(v)(_first_two_kinds(v) if key == "layer_types" else v[:2]))
+                cut = [v[i] for i in keep] if keep else _first_two_kinds(v) if key == "layer_types" else v[:2]
+                setattr(cfg, key, type(v)(cut))
     if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
         # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
         for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
@@ -90,12 +120,15 @@ def _shrink(cfg) -> None:
                     setattr(cfg, key, val)
                 except Exception:  # noqa: BLE001
                     pass
-    expand, heads, hd = (getattr(cfg, k, None) for k in ("expand", "num_heads", "head_dim"))
-    if all(_is_num(v) for v in (expand, heads, hd)) and hasattr(cfg, "state_size") and hd and cfg.hidden_size * expand != heads * hd:
-        try:  # Mamba-2 SSD: the inner width hidden*expand is split into num_heads x head_dim
-            cfg.num_heads = int(cfg.hidden_size * expand) // int(hd)
-        except Exception:  # noqa: BLE001
-            pass
+    for expand_k, heads_k, hd_k, state_k in (("expand", "num_heads", "head_dim", "state_size"),
+                                             ("mamba_expand", "mamba_n_heads", "mamba_d_head", "mamba_d_state")):
+        expand, heads, hd = (getattr(cfg, k, None) for k in (expand_k, heads_k, hd_k))
+        if all(_is_num(v) for v in (expand, heads, hd)) and hasattr(cfg, state_k) and hd and cfg.hidden_size * expand != heads * hd:
+            # Mamba-2 SSD (and the Mamba-2 mixers of Bamba / Falcon-H1 / Granite hybrids): the inner width
+            # hidden*expand is split into n_heads x head_dim
+            _set(cfg, heads_k, int(cfg.hidden_size * expand) // int(hd))
+            if _is_num(getattr(cfg, "mamba_d_ssm", None)):
+                _set(cfg, "mamba_d_ssm", int(cfg.hidden_size * expand))
     vocab = getattr(cfg, "vocab_size", 256)
     for key in _TOKEN_IDS:
         v = getattr(cfg, key, None)
@@ -103,6 +136,33 @@ def _shrink(cfg) -> None:
             setattr(cfg, key, {"bos_token_id": 1, "eos_token_id": 2}.get(key, 0))
         elif isinstance(v, list) and any(_is_num(x) and x >= vocab for x in v):
             setattr(cfg, key, [2])
+    return before
+
+
+def _validated(cfg, before: dict) -> None:
+    """Run the config class's own validators; a shrunk field they refuse (ZAYA's one expert per token) goes back
+    to its default, one field at a time, until they accept it.
+
+    Raises:
+        SetupError: the validators refuse the shrunk config whatever single field is restored.
+    """
+    validate = getattr(cfg, "validate", None)
+    if validate is None:
+        return
+    try:
+        validate()
+        return
+    except Exception as e:  # noqa: BLE001 - the class's validators name what they refuse
+        first = e
+    for key, val in before.items():
+        cur = getattr(cfg, key)
+        _set(cfg, key, val)
+        try:
+            validate()
+            return
+        except Exception:  # noqa: BLE001
+            _set(cfg, key, cur)
+    raise SetupError(f"transformers refuses the tiny {type(cfg).__name__}: {type(first).__name__}: {str(first)[:300]}")
 
 
 def tiny_config(model_type: str):
@@ -119,9 +179,13 @@ def tiny_config(model_type: str):
         cfg = CONFIG_MAPPING[model_type]()
     except Exception as e:  # noqa: BLE001 - the config class cannot be built from its defaults
         raise SetupError(f"{CONFIG_MAPPING[model_type].__name__}() with its defaults fails: {type(e).__name__}: {str(e)[:200]}") from None
-    _shrink(cfg)
+    if getattr(cfg, "is_decoder", None) is False:
+        # a causal LM: the BERT-family LM heads (BertLMHeadModel, RoBERTa, ...) are causal, with a KV cache, only
+        # as decoders; their configs default to the bidirectional encoder
+        _set(cfg, "is_decoder", True)
+    _validated(cfg, _shrink(cfg))
     for sub in _TEXT_SUBCONFIGS:
         s = getattr(cfg, sub, None)
         if s is not None and hasattr(s, "to_dict"):
-            _shrink(s)
+            _validated(s, _shrink(s))
     return cfg
