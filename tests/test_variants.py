@@ -90,3 +90,27 @@ def test_partial_rotary_and_qk_layernorm_raise_exactly(arch):
     raised = raise_graph(ep, "decode")
     assert raised.counts["nhil::attention_kv"] == model.config.num_hidden_layers
     assert raised.host_aten.get("aten.slice.Tensor", 0) > 0  # the rotary / pass-through split, as exported
+
+
+@pytest.mark.parametrize("arch", ["xglm", "megatron-bert"])
+def test_bmm_eager_attention_raises_to_the_pim_products(arch):
+    """BERT-era eager attention: ``torch.bmm`` over [B*H, L, hd] merges of the cache (XGLM, with a
+    ``torch.full`` clamp bound in the score transform), or ``matmul`` with the probabilities' dropout
+    submodule between the two products (Megatron-BERT). Both products become the PIM primitives
+    ``nhil::attention_scores`` / ``nhil::attention_values`` in every layer (none left as host ATen), and
+    the raised graph equals the exported one bit for bit at a position > 0 with random caches."""
+    from nhil.compiler.check import check_raised_exact
+    from nhil.compiler.export import export_decode
+    from nhil.compiler.raising import raise_graph
+
+    model = _tiny(arch)
+    ep, _ = export_decode(model, 16)
+    raised = raise_graph(ep, "decode")
+    n = model.config.num_hidden_layers
+    assert raised.counts["nhil::attention_scores"] == raised.counts["nhil::attention_values"] == n
+    assert not any(k in raised.host_aten for k in ("aten.bmm.default", "aten.matmul.default"))
+    g = torch.Generator().manual_seed(3)
+    caches = {c: torch.randn(raised.gm.get_buffer(c).shape, generator=g) for c in raised.cache_names}
+    check_raised_exact(ep, raised, (torch.tensor([[11]]), torch.tensor([5])), caches)
+    # the transformers module tells positions apart on these caches: the logits at 5 and 9 differ
+    assert (_run(ep, caches, 5) - _run(ep, caches, 9)).abs().max() > 1e-5

@@ -118,6 +118,8 @@ def _heads_out(ctx, att: fx.Node, shape, old: fx.Node, done: dict) -> None:
     _new_group(ctx)
     r = _emit(ctx, aten.reshape.default, (att, [b, s, hq, hd]), {}, old)
     oh = _emit(ctx, aten.transpose.int, (r, 1, 2), {}, old)
+    if _val(old).dim() == 3:  # a bmm core's [B*Hq, S, hd]
+        oh = _emit(ctx, aten.reshape.default, (oh, list(_val(old).shape)), {}, old)
     ctx.set(old, oh)
     done[old] = oh
 
@@ -220,11 +222,26 @@ def h_attention_anchor(ctx) -> None:
 
 
 def _through_transpose(ctx, x: fx.Node) -> fx.Node | None:
-    """``y`` when ``x`` is ``y.transpose(2, 3)`` (or ``(-2, -1)`` / ``(-1, -2)``) inside the region."""
+    """``y`` when ``x`` is ``y`` with its last two dims swapped (``transpose(2, 3)`` of [B,H,L,hd],
+    ``transpose(1, 2)`` of a bmm's [B*H, L, hd]) inside the region."""
     x = ctx.r.canon(x)
-    if x.target == aten.transpose.int and x in ctx.members and {a % 4 for a in x.args[1:3]} == {2, 3}:
-        return ctx.r.canon(x.args[0])
+    if x.target == aten.transpose.int and x in ctx.members:
+        nd = _val(x).dim()
+        if {a % nd for a in x.args[1:3]} == {nd - 2, nd - 1}:
+            return ctx.r.canon(x.args[0])
     return None
+
+
+def _heads4(ctx, x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the [B,H,L,hd] value, [the merge node]) when ``x`` is its reshape to a bmm's [B*H, L, hd] inside the
+    region (XGLM / BERT-era ``torch.bmm`` attention), else (``x``, [])."""
+    x = ctx.r.canon(x)
+    if x.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default) and x in ctx.members:
+        src = ctx.r.canon(x.args[0])
+        sv, xv = _val(src), _val(x)
+        if sv.dim() == 4 and xv.dim() == 3 and tuple(xv.shape) == (sv.shape[0] * sv.shape[1], sv.shape[2], sv.shape[3]):
+            return src, [x]
+    return x, []
 
 
 def _descendants(ctx, start: fx.Node) -> set[fx.Node]:
@@ -268,21 +285,25 @@ def h_attention_eager(ctx) -> None:
             product, a transform that reads the cache, or inconsistent head shapes.
     """
     writes = [n for n in ctx.nodes if n.target == aten.index_copy_.default]
-    mms = [n for n in ctx.nodes if n.target == aten.matmul.default]
+    mms = [n for n in ctx.nodes if n.target in (aten.matmul.default, aten.bmm.default)]
     if len(writes) != 2 or len(mms) != 2:
         raise Mismatch(ctx.nodes[0], f"eager attention needs two cache writes and two matmuls, found {len(writes)} and {len(mms)}")
     s_mm = p_mm = None
     for m in mms:
         kt = _through_transpose(ctx, m.args[1])
-        if kt is not None and _through_repeat_kv(ctx, kt)[0] in writes:
+        if kt is not None and _through_repeat_kv(ctx, _heads4(ctx, kt)[0])[0] in writes:
             s_mm = m
-        elif _through_repeat_kv(ctx, m.args[1])[0] in writes:
+        elif _through_repeat_kv(ctx, _heads4(ctx, m.args[1])[0])[0] in writes:
             p_mm = m
     if s_mm is None or p_mm is None or s_mm is p_mm:
         raise Mismatch(mms[0], "eager attention: no matmul(q, Kᵀ) and matmul(p, V) over the two cache writes")
-    kt = _through_transpose(ctx, s_mm.args[1])
-    kc, k_path, nrep_k = _through_repeat_kv(ctx, kt)
-    vc, v_path, nrep_v = _through_repeat_kv(ctx, p_mm.args[1])
+    k4, k_merge = _heads4(ctx, _through_transpose(ctx, s_mm.args[1]))
+    v4, v_merge = _heads4(ctx, p_mm.args[1])
+    q4, q_merge = _heads4(ctx, s_mm.args[0])
+    if any(set(m.users) != {u} for m, u in zip(q_merge + k_merge + v_merge, [s_mm] * len(q_merge) + [ctx.r.canon(s_mm.args[1])] * len(k_merge) + [p_mm] * len(v_merge))):
+        raise Mismatch(s_mm, "eager attention: a bmm operand's [B*H, L, hd] merge is also used elsewhere")
+    kc, k_path, nrep_k = _through_repeat_kv(ctx, k4)
+    vc, v_path, nrep_v = _through_repeat_kv(ctx, v4)
     if kc is vc:
         raise Mismatch(s_mm, "eager attention: scores and values read the same cache")
     (kcache, kdim, kpos, k_h), (vcache, vdim, vpos, v_h) = kc.args, vc.args
@@ -291,7 +312,7 @@ def h_attention_eager(ctx) -> None:
     idx = _index_slice(ctx, kpos) + [n for n in _index_slice(ctx, vpos) if n not in _index_slice(ctx, kpos)]
     _check_cache_index(ctx, kpos, _index_slice(ctx, kpos))
     _check_cache_index(ctx, vpos, _index_slice(ctx, vpos))
-    q_h, k_h, v_h = ctx.r.canon(s_mm.args[0]), ctx.r.canon(k_h), ctx.r.canon(v_h)
+    q_h, k_h, v_h = q4, ctx.r.canon(k_h), ctx.r.canon(v_h)
     qv, kh_v, vh_v, cache = _val(q_h), _val(k_h), _val(v_h), tuple(_val(kcache).shape)
     b, hq, s, hd = qv.shape
     hkv = kh_v.shape[1]
@@ -299,7 +320,7 @@ def h_attention_eager(ctx) -> None:
           and cache[:2] == (b, hkv) and cache[3] == hd and tuple(_val(vcache).shape) == cache and qv.dtype == torch.float32)
     if not ok:
         raise Mismatch(s_mm, f"eager attention shapes do not fit: q {tuple(qv.shape)}, k {tuple(kh_v.shape)}, v {tuple(vh_v.shape)}, cache {cache}, n_rep {nrep_k}/{nrep_v}")
-    core = {kc, vc, ctx.r.canon(s_mm.args[1]), s_mm, p_mm, *k_path, *v_path, *idx}
+    core = {kc, vc, ctx.r.canon(s_mm.args[1]), s_mm, p_mm, *k_path, *v_path, *idx, *q_merge, *k_merge, *v_merge}
     for n in idx:
         if any(u not in core for u in n.users if u.op == "call_function"):
             raise Mismatch(n, f"{n.name} computes the cache index and is also used elsewhere")
@@ -307,7 +328,9 @@ def h_attention_eager(ctx) -> None:
     probs = ctx.r.canon(p_mm.args[0])
     if probs not in mid_set:
         raise Mismatch(p_mm, "eager attention: the probabilities are not computed from the scores")
-    pre_set = _ancestors(ctx, [q_h, k_h, v_h], core)
+    # before the scores: what q / k / v need, and what the transform reads that does not depend on the scores
+    # (XGLM's ``torch.full((), finfo.min)`` clamp bound)
+    pre_set = _ancestors(ctx, [q_h, k_h, v_h], core) | (_ancestors(ctx, list(mid_set), core) - mid_set)
     rest = [n for n in ctx.nodes if n not in core]
     pre = [n for n in rest if n in pre_set]
     mid = [n for n in rest if n in mid_set]
@@ -318,12 +341,18 @@ def h_attention_eager(ctx) -> None:
     qf, kf, vf = _flat_qkv(ctx, done, (q_h, k_h, v_h), s_mm)
     cp = _cache_position(ctx)
     kcn, vcn = ctx.param(kcache), ctx.param(vcache)
-    scores = ctx.emit(nhil.attention_scores.default, qf, kf, kcn, cp, hq, hkv)
+    scores = ctx.emit(nhil.attention_scores.default, qf, kf, kcn, cp, hq, hkv)  # [B,Hq,S,L]
     _new_group(ctx)
+    if _val(s_mm).dim() == 3:  # a bmm core: the transform reads [B*Hq, S, L]
+        scores = _emit(ctx, aten.reshape.default, (scores, list(_val(s_mm).shape)), {}, s_mm)
     ctx.set(s_mm, scores)
     done[s_mm] = scores
     done.update(emit_host(ctx, mid, done))
-    att = ctx.emit(nhil.attention_values.default, done[probs], vf, vcn, cp, hq, hkv)
+    pr = done[probs]
+    if _val(probs).dim() == 3:
+        _new_group(ctx)
+        pr = _emit(ctx, aten.reshape.default, (pr, [b, hq, s, cache[2]]), {}, p_mm)
+    att = ctx.emit(nhil.attention_values.default, pr, vf, vcn, cp, hq, hkv)
     _heads_out(ctx, att, qv.shape, p_mm, done)
     ctx.set(kc, Marker("cache_write", kcn))
     ctx.set(vc, Marker("cache_write", vcn))

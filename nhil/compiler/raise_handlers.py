@@ -559,7 +559,7 @@ def raise_region(ctx: Ctx) -> str:
     tries = candidates(ops)
     if aten.scaled_dot_product_attention.default in ops:
         tries.append(("attention (anchors)", h_attention_anchor))
-    elif aten.index_copy_.default in ops and aten.matmul.default in ops:
+    elif aten.index_copy_.default in ops and (aten.matmul.default in ops or aten.bmm.default in ops):
         tries.append(("attention (anchors)", h_attention_eager))
     tries.append(("host ATen", h_host_aten))
     for name, h in tries:

@@ -122,6 +122,22 @@ def module_of(n: fx.Node) -> tuple[str, str]:
     return path, cls.rsplit(".", 1)[-1]
 
 
+def _sandwiched_dropout(n: fx.Node, key: dict) -> tuple[str, str] | None:
+    """The parent module's key for an eval-mode dropout submodule that its parent both feeds and reads
+    (BERT's ``attention.self.dropout`` between the scores and the values product), so the parent's
+    ops stay one region; None for any other op."""
+    if n.target != torch.ops.aten.dropout.default or (len(n.args) > 2 and n.args[2]):
+        return None
+    src = n.args[0]
+    if not isinstance(src, fx.Node) or src not in key:
+        return None
+    parent = key[src]
+    users = [u for u in n.users if u in key]
+    if parent[0] and key[n][0].startswith(parent[0] + ".") and users and all(key[u] == parent for u in users):
+        return parent
+    return None
+
+
 def op_name(n: fx.Node) -> str:
     return str(n.target) if n.op == "call_function" else f"{n.op} {n.target}"
 
@@ -229,6 +245,10 @@ class Raiser:
             return x
 
         key = {n: module_of(n) for n in ops}
+        for n in ops:
+            sandwiched = _sandwiched_dropout(n, key)
+            if sandwiched is not None:
+                key[n] = sandwiched
         for n in ops:
             for a in n.all_input_nodes:
                 # follow identity casts only inside the same module (a residual taken from
