@@ -3,7 +3,7 @@ emitting ``nhil::*`` nodes) and the constants every handler module shares.
 
 Handlers live in ``raise_handlers`` (norms, embeddings, MLP, residuals, model glue),
 ``raise_attention`` (attention cores and their variants), ``raise_moe`` (MoE blocks) and
-per-family modules (``raise_deepseek``); ``raise_handlers.raise_region`` offers a region to them
+per-family modules (``raise_deepseek``); ``raise_patterns.raise_region`` offers a region to them
 by its ATen ops (``PATTERNS``), then to the attention anchors and host ATen.
 """
 

@@ -1,4 +1,6 @@
-"""Region handlers: one per module class, each an exact ATen pattern -> nhil primitives.
+"""Region handlers for the non-attention pieces, each an exact ATen pattern -> nhil primitives:
+embeddings, linears, norms, activations, MLPs, residuals, logit soft-cap (positions and masks:
+``raise_positions``; the pattern table and dispatch: ``raise_patterns``).
 
 Sources of the patterns: transformers 5.24 ``models/llama/modeling_llama.py`` (RMSNorm,
 rotary embedding, ``apply_rotary_pos_emb``, ``repeat_kv``, attention, MLP, decoder layer),
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -21,26 +22,11 @@ import torch.fx as fx
 from nhil.compiler.raise_match import Mismatch, V, match_any
 from nhil.compiler.raising import Marker, _val
 
-from nhil.compiler.raise_attention import h_attention
 from nhil.compiler.raise_ctx import Ctx, _one, aten, nhil
-from nhil.compiler.raise_deepseek import DEEPSEEK_HANDLERS, h_mla_kv_b
-from nhil.compiler.raise_moe import _moe_shared_linear, h_moe_block, h_moe_experts, h_moe_router
+from nhil.compiler.raise_deepseek import h_mla_kv_b
+from nhil.compiler.raise_moe import _moe_shared_linear
+from nhil.compiler.raise_positions import _is_position_ids
 
-
-
-def h_static_cache_wrapper(ctx: Ctx) -> None:
-    """``cumulative_length.copy_(cache_position[0])`` per layer -> Marker('cache_pos0')."""
-    b = ctx.match([[("sel", aten.select.int, (V("cp"), 0, 0), None), ("copy", aten.copy_.default, (V("buf"), V("sel")), None)]])
-    cp = b["cp"]
-    if cp.op != "placeholder" or cp.name != "cache_position" or b["buf"].name not in ctx.r.fqn:
-        raise Mismatch(ctx.nodes[0], "expected cumulative_length.copy_(cache_position[0])")
-    ctx.set(b["copy"], Marker("cache_pos0", ctx.value(cp)))
-
-
-def _is_position_ids(v) -> bool:
-    """Whether graph-IR value ``v`` is the position ids :func:`h_index_arith` maps them to
-    (decode: the ``cache_position`` input; prefill: the folded ``position_ids`` constant)."""
-    return isinstance(v, fx.Node) and ((v.op == "placeholder" and v.target == "cache_position") or (v.op == "get_attr" and v.target == "position_ids"))
 
 
 def h_embedding(ctx: Ctx) -> None:
@@ -339,244 +325,3 @@ def h_residual(ctx: Ctx) -> None:
         if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype == torch.float32):
             raise Mismatch(n, "residual add needs two fp32 tensors of the same shape")
         ctx.set(n, ctx.emit(nhil.add.default, ctx.tensor(a), ctx.tensor(c)))
-
-
-INDEX_OPS = {
-    aten.arange.default, aten.arange.start, aten.add.Tensor, aten.sub.Tensor, aten.unsqueeze.default,
-    aten.slice.Tensor, aten.diff.default, aten.ne.Scalar, aten.cumsum.default, aten.expand.default,
-    aten.new_ones.default, aten.index.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor,
-    aten.gt.Tensor, aten.eq.Tensor, aten.__and__.Tensor, aten.__or__.Tensor, aten.view.default, aten.select.int,
-    aten.to.device, aten.to.dtype,  # a padding mask moved / cast (bool or int: floats are refused below)
-}
-# bool -> additive float mask (masking_utils.eager_mask: where(mask, 0, finfo.min))
-FLOAT_MASK_OPS = {aten.zeros.default, aten.where.ScalarOther, aten.where.self, aten.scalar_tensor.default}
-
-
-def _window_of(t: torch.Tensor, p: int) -> int | None:
-    """Sliding window W implied by the last query row of mask ``t`` at cache position p (None: plain causal)."""
-    q_last = p + t.shape[2] - 1
-    row = t[0, 0, -1]
-    vis = int(row.sum()) if row.dtype == torch.bool else int((row == 0).sum())
-    return vis if vis < min(q_last + 1, t.shape[3]) else None
-
-
-CONSTANT_FILLS = {aten.ones.default, aten.zeros.default, aten.full.default}
-
-
-def _constant_of(a: fx.Node) -> torch.Tensor | None:
-    """The value of ``a`` when it is a fill of constants only (the all-ones padding mask the
-    export hands BioGPT-like models, ``nhil.compiler.export._positions_from_cache``), else None."""
-    if a.op != "call_function" or a.target not in CONSTANT_FILLS or a.all_input_nodes:
-        return None
-    return a.target(*a.args, **a.kwargs)
-
-
-def h_index_arith(ctx: Ctx) -> None:
-    """Position ids and causal / sliding-window masks built by the Model / masking_utils.
-
-    The region must be pure integer/bool arithmetic over constants and cache_position[0]
-    (plus the bool -> additive-float conversion of eager attention); it is evaluated
-    exhaustively (every cache position when it depends on one) and each output must equal
-    a causal mask, optionally restricted to a sliding window W (``j > i - W``; W read off
-    the mask and then checked at every position), bool or additive (0 / finfo.min),
-    -> Marker('causal_mask', (kind, kv_len, window, additive)); or the position ids
-    (decode: the ``cache_position`` input, S == 1; prefill: a folded constant
-    ``position_ids``).
-    """
-    for n in ctx.nodes:
-        v = _val(n)
-        if not isinstance(v, torch.Tensor) or v.dtype.is_complex:
-            raise Mismatch(n, "not integer/bool index arithmetic of a position or causal-mask pattern")
-        if n.target in FLOAT_MASK_OPS:
-            continue
-        if n.target not in INDEX_OPS or v.dtype.is_floating_point:
-            raise Mismatch(n, "not integer/bool index arithmetic of a position or causal-mask pattern")
-    externals = []
-    for n in ctx.nodes:
-        for a in n.all_input_nodes:
-            a = ctx.r.canon(a)
-            if a not in ctx.members and a not in externals:
-                externals.append(a)
-    consts = {a: _constant_of(a) for a in externals}
-    consts = {a: t for a, t in consts.items() if t is not None}
-    externals = [a for a in externals if a not in consts]
-    markers = [ctx.marker(a, "cache_pos0") for a in externals]
-    outputs = [n for n in ctx.nodes if ctx.outside_users(n)]
-
-    def evaluate(p: int) -> dict:
-        vals = {a: torch.full(_val(a).shape, p, dtype=_val(a).dtype) for a in externals} | consts
-        look = lambda a: vals[ctx.r.canon(a)]  # noqa: E731
-        for n in ctx.nodes:
-            vals[n] = n.target(*fx.node.map_arg(n.args, look), **fx.node.map_arg(n.kwargs, look))
-        return vals
-
-    positions = range(ctx.r.cache_len) if externals else [0]
-    kinds: dict[fx.Node, str] = {}
-    windows: dict[fx.Node, int | None] = {}
-    if externals:  # read each mask's window at the last cache position, check it everywhere
-        last = evaluate(ctx.r.cache_len - 1)
-        for o in outputs:
-            t = last[o]
-            if t.dim() == 4 and t.shape[1] == 1 and (t.dtype == torch.bool or t.dtype.is_floating_point):
-                windows[o] = _window_of(t, ctx.r.cache_len - 1)
-    for p in positions:
-        vals = evaluate(p)
-        for o in outputs:
-            t = vals[o]
-            if t.dim() == 4 and t.shape[1] == 1 and (t.dtype == torch.bool or t.dtype == torch.float32):
-                s, k = t.shape[2], t.shape[3]
-                if o not in windows:
-                    windows[o] = _window_of(t, p)
-                from nhil.compiler.primitives import visible_mask
-
-                want = visible_mask(p + torch.arange(s), k, windows[o])[None, None].expand(t.shape)
-                if t.dtype == torch.float32:
-                    want = torch.where(want, torch.zeros((), dtype=t.dtype), torch.finfo(t.dtype).min)
-                ok = torch.equal(t, want) and (externals or k == s)
-                kinds[o] = "mask"
-            elif t.dtype == torch.int64 and t.dim() == 2 and t.shape[0] == 1:
-                ok = torch.equal(t, p + torch.arange(t.shape[1])[None]) and (not externals or t.shape[1] == 1)
-                kinds[o] = "pos"
-            else:
-                ok = False
-            if not ok:
-                raise Mismatch(o, f"{o.name} is not a causal / sliding-window mask or position ids (checked at cache position {p})")
-    vals = evaluate(0)
-    for o in outputs:
-        t = vals[o]
-        if kinds[o] == "mask":
-            ctx.set(o, Marker("causal_mask", ("cache" if externals else "prefill", t.shape[3], windows[o], t.dtype.is_floating_point)))
-        elif externals:
-            ctx.set(o, markers[0].data)  # the cache_position input, [S] == [1]
-        else:
-            ctx.set(o, ctx.const("position_ids", t.clone()))
-
-
-def h_gpt2_model(ctx: Ctx) -> None:
-    """GPT2Model glue (modeling_gpt2.GPT2Model.forward): the shape-identity views
-    ``input_ids.view(-1, S)`` and ``hidden.view(output_shape)`` (-> the input value), the
-    learned-position add ``inputs_embeds + wpe(position_ids)`` (-> nhil.pos_embedding; the
-    ``wpe`` lookup is a Marker from :func:`h_embedding`), and otherwise the position / mask
-    index arithmetic (:func:`h_index_arith`)."""
-    n = ctx.nodes[0]
-    if len(ctx.nodes) == 1 and n.target == aten.view.default:
-        b = ctx.match([_one(aten.view.default, (V("x"), V("shape")))])
-        if tuple(_val(b["x"]).shape) != tuple(_val(b["out"]).shape):
-            raise Mismatch(n, f"view {b['shape']} changes the shape {tuple(_val(b['x']).shape)}")
-        ctx.set(b["out"], ctx.value(b["x"]))
-        return
-    if len(ctx.nodes) == 1 and n.target == aten.add.Tensor and isinstance(n.args[1], fx.Node) and isinstance(ctx.value(n.args[1]), Marker):
-        b = ctx.match([_one(aten.add.Tensor, (V("x"), V("pe")))])
-        table, pos = ctx.marker(b["pe"], "pos_embedding").data
-        xv, pv = _val(b["x"]), _val(b["pe"])
-        if not (xv.dtype == pv.dtype == torch.float32 and xv.dim() == 3 and tuple(xv.shape) == tuple(pv.shape)):
-            raise Mismatch(n, f"position-embedding add needs two fp32 [B,S,H] tensors, got {tuple(xv.shape)} + {tuple(pv.shape)}")
-        ctx.set(b["out"], ctx.emit(nhil.pos_embedding.default, ctx.tensor(b["x"]), table, pos))
-        return
-    h_index_arith(ctx)
-
-
-def _recurrent() -> dict:
-    """The recurrent-layer patterns (``raise_recurrent``), each offered only to programs that keep a
-    recurrent state (``conv_state_<i>`` / ``ssm_state_<i>`` buffers): their pieces are short and
-    would otherwise claim look-alike regions of other models (a MoE block's head reshape)."""
-    from nhil.compiler.raise_recurrent import RECURRENT_HANDLERS  # state-space / linear-attention layers
-
-    def guarded(h):
-        def run(ctx: Ctx) -> None:
-            if not any(str(f).startswith(("conv_state_", "ssm_state_")) for f in ctx.r.fqn.values()):
-                raise Mismatch(ctx.nodes[0], "no recurrent state in this program")
-            h(ctx)
-
-        return run
-
-    return {k: guarded(h) for k, h in RECURRENT_HANDLERS.items()}
-
-
-RECURRENT = _recurrent()
-
-
-# Raising by pattern: every region is offered to the patterns whose anchor ops it contains, in
-# this order (the most specific first); the first that matches the whole region exactly wins.
-# Module class names play no part: they only name regions in reports. A region no pattern
-# raises becomes an attention core by its anchors (raise_anchor) or, when it holds no
-# PIM-bound work, host ATen (host_aten): the exported ops themselves.
-_INDEX = INDEX_OPS | FLOAT_MASK_OPS
-PATTERNS: list[tuple[str, Callable[[Ctx], None], frozenset | None]] = [
-    ("static-cache position", h_static_cache_wrapper, frozenset({aten.copy_.default})),
-    ("dropout (eval)", h_dropout, frozenset({aten.dropout.default})),
-    ("embedding", h_embedding, frozenset({aten.embedding.default})),
-    ("scaled embedding", h_scaled_embedding, frozenset({aten.embedding.default})),
-    ("linear", h_linear, frozenset({aten.linear.default})),
-    ("Conv1D linear", h_conv1d, frozenset({aten.addmm.default})),
-    ("RMSNorm", h_rms_norm, frozenset({aten.rsqrt.default})),
-    ("LayerNorm", h_layer_norm, frozenset({aten.layer_norm.default})),
-    ("RoPE tables", h_rotary, frozenset({aten.cos.default})),
-    ("gated activation", h_act, frozenset({aten.silu.default, aten.gelu.default})),
-    ("gelu_new", h_gelu_new, frozenset({aten.tanh.default})),
-    ("logit soft-cap", h_causal_lm, frozenset({aten.tanh.default})),
-    ("gated MLP", h_mlp, frozenset({aten.mul.Tensor, aten.chunk.default})),
-    ("positions / causal mask", h_gpt2_model, frozenset(_INDEX)),
-    ("residual add", h_residual, frozenset({aten.add.Tensor})),
-    ("attention", h_attention, frozenset({aten.scaled_dot_product_attention.default, aten.index_copy_.default, aten.matmul.default, aten.view.default, aten.add_.Tensor})),
-    ("MLA attention", DEEPSEEK_HANDLERS["DeepseekV3Attention"], None),
-    # recurrent layers (raise_recurrent: shared conv / state-update / delta-rule / gated-norm pieces)
-    ("Mamba-2 mixer", RECURRENT["Mamba2Mixer"], None),  # its pieces (convex regions) need not hold the state write
-    ("gated short conv", RECURRENT["Lfm2ShortConv"], None),  # its pieces (convex regions) need not hold the state write
-    ("gated DeltaNet", RECURRENT["OlmoHybridGatedDeltaNet"], None),  # its pieces (convex regions) need not hold the state write
-    ("gated RMSNorm", RECURRENT["MambaRMSNormGated"], frozenset({aten.rsqrt.default})),
-    ("RMSNorm before gate", RECURRENT["OlmoHybridRMSNormGated"], frozenset({aten.rsqrt.default})),
-    ("inline SwiGLU", RECURRENT["Lfm2MLP"], frozenset({aten.silu.default})),
-    ("DeepSeek router", DEEPSEEK_HANDLERS["DeepseekV3TopkRouter"], None),
-    ("DeepSeek MoE block", DEEPSEEK_HANDLERS["DeepseekV3MoE"], None),  # needs a raised DeepSeek router: before the generic block
-    ("MoE router", h_moe_router, None),
-    ("MoE experts", h_moe_experts, None),
-    ("MoE block", h_moe_block, None),
-]
-
-
-
-
-def candidates(ops: set) -> list[tuple[str, Callable[[Ctx], None]]]:
-    """The patterns to try on a region whose ATen ops are ``ops`` (see ``PATTERNS``)."""
-    return [(name, h) for name, h, anchor in PATTERNS if anchor is None or anchor & ops]
-
-
-def raise_region(ctx: Ctx) -> str:
-    """Raise one region: the first pattern that matches it exactly, else the attention anchors,
-    else host ATen. Returns the name of what raised it (``"host ATen"`` for the fallback).
-
-    Raises:
-        Mismatch: nothing raised it; the reason names the PIM-bound op that kept it off the
-            host, or else the first pattern's mismatch.
-    """
-    from nhil.compiler.host_aten import h_host_aten
-    from nhil.compiler.raise_anchor import h_attention_anchor, h_attention_eager
-
-    ops = {n.target for n in ctx.nodes}
-    first: Mismatch | None = None
-    tried: set[str] = set()
-    tries = candidates(ops)
-    if aten.scaled_dot_product_attention.default in ops:
-        tries.append(("attention (anchors)", h_attention_anchor))
-    elif aten.index_copy_.default in ops and (aten.matmul.default in ops or aten.bmm.default in ops):
-        tries.append(("attention (anchors)", h_attention_eager))
-    tries.append(("host ATen", h_host_aten))
-    for name, h in tries:
-        try:
-            try:
-                h(ctx)
-            except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
-                # a pattern written for other regions met arguments of another kind (a scalar
-                # where it expects a tensor, ...): it does not fit this region
-                raise Mismatch(ctx.nodes[0], f"the {name} pattern does not fit: {type(e).__name__}: {e}") from None
-            ctx.check_outputs_mapped()
-            return name
-        except Mismatch as m:
-            ctx.undo()
-            # report what says most: the attention anchors' reason when they were tried (the region is an
-            # attention), else host ATen's refusal of PIM-bound work, else the first pattern's mismatch
-            if first is None or name == "attention (anchors)" or (name == "host ATen" and "anchors" not in tried and ("PIM-bound" in m.reason or "writes into" in m.reason)):
-                first = m
-            tried.add("anchors" if name == "attention (anchors)" else name)
-    raise first if first is not None else Mismatch(ctx.nodes[0], "no pattern")

@@ -328,14 +328,14 @@ def h_norm_before_gate(ctx: Ctx) -> None:
 
 
 def _residual(ctx: Ctx) -> None:
-    from nhil.compiler.raise_handlers import h_residual  # raise_handlers imports this module
+    from nhil.compiler.raise_handlers import h_residual  # raise_patterns imports this module
 
     h_residual(ctx)
 
 
 def _wrapper(ctx: Ctx) -> None:
     """The recurrent-cache wrapper's ``cumulative_length.copy_(cache_position[0])`` (attention layers of a hybrid)."""
-    from nhil.compiler.raise_handlers import h_static_cache_wrapper
+    from nhil.compiler.raise_positions import h_static_cache_wrapper
 
     h_static_cache_wrapper(ctx)
 

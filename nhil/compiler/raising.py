@@ -10,7 +10,7 @@ Algorithm (linear in the number of nodes):
 3. The remaining ops are grouped into *regions*: connected components of ops that share
    the same innermost ``nn_module_stack`` entry (module path + class).
 4. Regions are visited in dependency order, ties by graph order of their last node
-   (``Raiser._topological``). ``raise_handlers.raise_region`` offers each to the patterns
+   (``Raiser._topological``). ``raise_patterns.raise_region`` offers each to the patterns
    whose anchor ops it contains (``PATTERNS``; module class names choose nothing), each
    checking the region's exact ATen op sequence and argument data flow (``raise_match``)
    or, for integer/bool index arithmetic (positions, causal masks), evaluating it
@@ -63,7 +63,7 @@ class RaisedGraph:
     host_aten: ``"aten.<op>.<overload>" -> count`` of the ops kept as host ATen regions
         (``nhil.compiler.host_aten``): the exported ops, run on the host as exported.
     raised_by: ``(module path, class, pattern)`` per region: which pattern raised it
-        (``raise_handlers.PATTERNS``, ``"attention (anchors)"`` or ``"host ATen"``).
+        (``raise_patterns.PATTERNS``, ``"attention (anchors)"`` or ``"host ATen"``).
     """
 
     gm: fx.GraphModule | None
@@ -334,7 +334,7 @@ class Raiser:
 
     def run(self, strict: bool) -> RaisedGraph:
         from nhil.compiler.raise_ctx import Ctx
-        from nhil.compiler.raise_handlers import raise_region
+        from nhil.compiler.raise_patterns import raise_region
 
         for name in self.user_inputs:
             ph = self.g.placeholder(name)
