@@ -1,0 +1,85 @@
+"""Options of one ``nhil verify`` run (:class:`VerifyOptions`) and the default tolerance profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from pathlib import Path
+
+PROFILE = "bf16-act-fp32-acc"
+SAVE_PROGRAM_MAX_BYTES = int(os.environ.get("NHIL_SAVE_PROGRAM_MAX_BYTES", 64 << 20))  # bigger programs: `nhil compile -o`
+
+
+@dataclasses.dataclass
+class VerifyOptions:
+    """Options of one verify run (the Makefile variables in brackets).
+
+    Attributes:
+        model: registry name [MODEL].
+        target: target name [TARGET].
+        prompt: prompt text (or comma-separated ids for tokenizer-less models) [PROMPT].
+        tokens: tokens to decode [TOKENS].
+        seed: run seed [SEED].
+        device: DeviceConfig preset to compile for; default: the target's own device [DEVICE].
+        regen: regenerate the golden even if a matching one exists [REGEN].
+        goldens_dir / runs_dir: where goldens and run folders live.
+        target_options: extra keyword options for the target factory.
+        lockstep: for non-sim targets, also run the simulator and compare at every SYNC.
+        save_program: write ``program.pimb`` into the run folder (programs up to 64 MiB).
+        repeat: run the teacher-forced pass this many times and check the logits are
+            bit-identical across repeats (determinism, separate from accuracy) [REPEAT].
+        stage_timeout_scale: multiplies every stage's timeout (``STAGE_TIMEOUTS``).
+        manifest: expectations manifest (default ``nhil.expectations.DEFAULT_PATH``): the
+            expected outcome and the row's tolerance overrides come from it.
+    """
+
+    model: str = "llama"
+    target: str = "sim"
+    prompt: str | None = None
+    tokens: int = 16
+    seed: int = 0
+    device: str | None = None
+    regen: bool = False
+    goldens_dir: Path = Path("goldens")
+    runs_dir: Path = Path("runs")
+    target_options: dict = dataclasses.field(default_factory=dict)
+    lockstep: bool = True
+    save_program: bool = True
+    repeat: int = 1
+    quant: str = "bf16"  # weight quantization recipe [QUANT] (nhil.compiler.quantize), e.g. native, mxfp4, int4-g128:lm_head=bf16
+    stage_timeout_scale: float = float(os.environ.get("NHIL_STAGE_TIMEOUT_SCALE", "1"))
+    manifest: Path | None = None
+    layers: int | None = None  # --model PATH only: keep the first N decoder layers [LAYERS]
+    passes: tuple = ()  # scheduling passes (nhil.compiler.pipeline); () here = the default pipeline, set in __post_init__
+    kv_cache: str = "bf16"  # --kv-cache: bf16 | fp8 (E4M3, per-head scales; nhil.numerics.kv_fp8): folded into quant as kv_cache=fp8
+
+    def __post_init__(self) -> None:
+        if self.kv_cache != "bf16":
+            from nhil.compiler.quantize import with_kv_cache
+            from nhil.args import UsageError
+            from nhil.errors import CompileError
+
+            try:
+                self.quant, self.kv_cache = with_kv_cache(self.quant, self.kv_cache), "bf16"
+            except CompileError as e:
+                raise UsageError(str(e)) from None
+        if not self.passes:
+            from nhil.compiler.pipeline import DEFAULT_PASSES
+
+            self.passes = DEFAULT_PASSES
+
+    def reproducer(self) -> str:
+        parts = [f"make verify MODEL={self.model} TARGET={self.target} TOKENS={self.tokens} SEED={self.seed}"]
+        if self.prompt is not None:
+            parts.append(f"PROMPT={shlex.quote(self.prompt)}")
+        if self.device:
+            parts.append(f"DEVICE={self.device}")
+        if self.quant != "bf16":
+            parts.append(f"QUANT={shlex.quote(self.quant)}")
+        if self.layers is not None:
+            parts.append(f"LAYERS={self.layers}")
+        for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "FPGA_BOARD", "WAVES"):
+            if os.environ.get(env):
+                parts.append(f"{env}={shlex.quote(os.environ[env])}")
+        return " ".join(parts)
