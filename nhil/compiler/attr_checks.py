@@ -130,9 +130,11 @@ def _linear(a: dict) -> Iterator[Violation]:
 def _rope_cos_sin(a: dict) -> Iterator[Violation]:
     yield from _positive(a, "attention_scaling")
     f = a["inv_freq"]
-    if isinstance(f, torch.Tensor) and not f.is_meta and f.numel() and not bool((torch.isfinite(f) & (f > 0)).all()):
-        bad = f[~(torch.isfinite(f) & (f > 0))][0].item()
-        yield "inv_freq", bad, "must be finite and > 0 (inv_freq = 1 / rope_theta^(2i/d): rope_theta must be a finite number > 0)"
+    # 0 is a frequency that does not rotate: Gemma 4's proportional RoPE zeroes the pass-through dims
+    # (transformers modeling_rope_utils ``_compute_proportional_rope_parameters``)
+    if isinstance(f, torch.Tensor) and not f.is_meta and f.numel() and not bool((torch.isfinite(f) & (f >= 0)).all()):
+        bad = f[~(torch.isfinite(f) & (f >= 0))][0].item()
+        yield "inv_freq", bad, "must be finite and >= 0 (inv_freq = 1 / rope_theta^(2i/d): rope_theta must be a finite number > 0)"
 
 
 @_check("rope")

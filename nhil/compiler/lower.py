@@ -64,7 +64,15 @@ def lower_decode_graph(gm: torch.fx.GraphModule, device: DeviceConfig, model_nam
     for node in gm.graph.nodes:
         _lower_node(cx, gm, node)
     b, outputs = cx.b, cx.outputs
-    for layer, name in sorted(cx.layer_out.items()):
+    # each decoder layer's output (tagged by the raiser, nhil.compiler.layer_outputs; graphs built without it:
+    # the residual add that ends the layer)
+    layers = {}
+    for n in gm.graph.nodes:
+        if "act" in n.meta:
+            if n.name not in cx.buf:
+                raise CompileError(f"{n.meta['act']} ({n.name}) has no host buffer to read back: an nhil lowering defect, please report it with the model")
+            layers[int(n.meta["act"].rsplit(".", 1)[1])] = cx.buf[n.name]
+    for layer, name in sorted((layers or cx.layer_out).items()):
         outputs[f"act.model.layers.{layer}"] = name
     if "logits" not in outputs:
         raise CompileError("the graph has no output to lower")

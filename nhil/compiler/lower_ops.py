@@ -21,7 +21,8 @@ def _embedding(cx: LowerCtx, node) -> None:
     out = cx.out(node)
     attrs = {"scale": float(node.args[2])} if len(node.args) > 2 and node.args[2] is not None else {}
     cx.b.host("embedding", [cx.const_name(table), cx.arg(ids)], [out], **attrs)
-    cx.outputs["act.model.embed_tokens"] = out
+    # the token embedding is the first lookup (Gemma 3n / 4 look up per-layer inputs in a second table after it)
+    cx.outputs.setdefault("act.model.embed_tokens", out)
 
 
 @lowering("nhil::rms_norm")

@@ -367,6 +367,12 @@ class Raiser:
                 return RaisedGraph(None, self.kind, self._counts(), self.unraised, self.cache_names, self._host_counts(), self.raised_by)
             outs.append(v)
         self.g.output(outs[0] if len(outs) == 1 else tuple(outs))
+        from nhil.compiler.layer_outputs import decoder_layer_outputs
+
+        for i, old in decoder_layer_outputs(self.old).items():  # act.model.layers.<i>: what the golden captures
+            v = self.env.get(self.canon(old))
+            if isinstance(v, fx.Node):
+                v.meta["act"] = f"act.model.layers.{i}"
         for n in list(self.g.nodes):
             if n.op == "get_attr" and not n.users:
                 self.g.erase_node(n)

@@ -171,6 +171,13 @@ def judge_layers(profile: str, overrides: dict, golden: dict, target_acts: dict,
             continue
         ref = golden[name].numpy() if hasattr(golden[name], "numpy") else np.asarray(golden[name])
         got = target_acts[name][: ref.shape[0]]
+        if got.shape != ref.shape:  # the program captured another value under this name: a failed layer, named
+            row = {"layer": name.removeprefix("act."), "cosine": None, "sqnr_db": None, "max_abs": None, "rel_l2": None, "passed": False}
+            why = f"the target's activation is {list(got.shape)}, the golden's {list(ref.shape)}: the program captures another value under {name}"
+            if first_bad is None:
+                first_bad = {"layer": row["layer"], "violations": [why], "top_differences": []}
+            rows.append(row)
+            continue
         skip: set[int] = set()
         if excluded and name.startswith("act.model.layers."):
             layer = int(name.rsplit(".", 1)[1])

@@ -245,13 +245,14 @@ class QuantReference(torch.fx.Interpreter):
             if ns == "nhil" and op == "mla_kv":
                 self.cache_names.update(a.target for a in n.args[3:5])
                 self.mla_caches[n.name] = (n.args[3].target, int(n.args[9]), int(n.args[10]), int(n.args[12]))
-            if ns == "nhil" and op == "embedding":
-                self.acts[n.name] = "act.model.embed_tokens"
+            if ns == "nhil" and op == "embedding" and "act.model.embed_tokens" not in self.acts.values():
+                self.acts[n.name] = "act.model.embed_tokens"  # the first lookup, as nhil.compiler.lower_ops names it
             if ns == "nhil" and op == "add":  # residual stream after each decoder layer (nhil.compiler.lower's act.model.layers.N)
                 m = re.search(r"(?:^|\.)(?:layers|h)\.(\d+)$", n.meta.get("nn_module_stack_path", ""))
                 if m:
                     layer_out[int(m.group(1))] = n.name
-        for layer, name in layer_out.items():
+        tagged = {int(n.meta["act"].rsplit(".", 1)[1]): n.name for n in gm.graph.nodes if "act" in n.meta}  # as lower.py names them
+        for layer, name in (tagged or layer_out).items():
             self.acts[name] = f"act.model.layers.{layer}"
         self.caches: dict[str, torch.Tensor] = {}
         self._captured: dict[str, torch.Tensor] = {}

@@ -41,6 +41,8 @@ SHRINK: dict[str, int | float] = {
     "num_heads": 4, "ssm_state_size": 16, "n_groups": 1, "mamba_n_groups": 1,
     # XLNet-style explicit per-head width (validated against d_model // n_head)
     "d_head": 16,
+    # Gemma 3n / 4 per-layer input embeddings (a [vocab, layers x width] table)
+    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 256,
 }
 # fields a config class leaves None by default though its model needs a number (Ministral's head_dim,
 # Nemotron's KV heads): None there means "not set", so the tiny value is used
@@ -62,13 +64,13 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _first_two_kinds(types) -> list:
-    """Two layer types for a 2-layer tiny model: the first layer's kind, then the first layer of another kind if
-    there is one (a hybrid's ``["linear_attention"] * 3 + ["full_attention"]`` pattern stays hybrid, as its config
+def _first_two_kinds(types) -> list[int]:
+    """Indices of the two layers a 2-layer tiny model keeps: the first layer, then the first layer of another kind
+    if there is one (a hybrid's ``["linear_attention"] * 3 + ["full_attention"]`` pattern stays hybrid, as its config
     validators demand), else the first two."""
     types = list(types)
-    other = next((t for t in types if t != types[0]), None)
-    return [types[0], other] if other is not None else types[:2]
+    other = next((i for i, t in enumerate(types) if t != types[0]), None)
+    return [0, other] if other is not None else [0, 1]
 
 
 def _set(cfg, key, val) -> bool:
@@ -79,8 +81,9 @@ def _set(cfg, key, val) -> bool:
         return False
 
 
-def _shrink(cfg) -> dict:
-    """Shrink ``cfg`` in place; returns ``{field: value before}`` of every size field changed."""
+def _shrink(cfg) -> tuple[dict, list[int] | None]:
+    """Shrink ``cfg`` in place; returns ``{field: value before}`` of every size field changed and the indices of
+    the original layers kept by ``layer_types`` (None when the layer lists were cut to their first entries)."""
     from nhil.golden.decoder_stack import num_layers_of
 
     old_layers = num_layers_of(cfg)
@@ -107,11 +110,14 @@ def _shrink(cfg) -> dict:
         for k in parts:
             _set(cfg, k, 1)
         _set(cfg, "num_hidden_layers", len(parts))
+    kept = keep
     if old_layers and old_layers != 2:
         for key, v in list(vars(cfg).items()):
             if isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
-                cut = [v[i] for i in keep] if keep else _first_two_kinds(v) if key == "layer_types" else v[:2]
-                setattr(cfg, key, type(v)(cut))
+                idx = keep or (_first_two_kinds(v) if key == "layer_types" else [0, 1])
+                if key == "layer_types":
+                    kept = idx
+                setattr(cfg, key, type(v)([v[i] for i in idx]))
     if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
         # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
         for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
@@ -136,7 +142,7 @@ def _shrink(cfg) -> dict:
             setattr(cfg, key, {"bos_token_id": 1, "eos_token_id": 2}.get(key, 0))
         elif isinstance(v, list) and any(_is_num(x) and x >= vocab for x in v):
             setattr(cfg, key, [2])
-    return before
+    return before, kept
 
 
 def _validated(cfg, before: dict) -> None:
@@ -183,9 +189,35 @@ def tiny_config(model_type: str):
         # a causal LM: the BERT-family LM heads (BertLMHeadModel, RoBERTa, ...) are causal, with a KV cache, only
         # as decoders; their configs default to the bidirectional encoder
         _set(cfg, "is_decoder", True)
-    _validated(cfg, _shrink(cfg))
+    cfg = _shrunk(cfg)
     for sub in _TEXT_SUBCONFIGS:
         s = getattr(cfg, sub, None)
         if s is not None and hasattr(s, "to_dict"):
-            _validated(s, _shrink(s))
+            setattr(cfg, sub, _shrunk(s))
     return cfg
+
+
+def _shrunk(cfg):
+    """``cfg`` shrunk and validated; a heterogeneous config (transformers' ``per_layer_config``: Gemma 4's global
+    layers have twice the head dim) is shrunk as its homogeneous form, then the kept layers get their overrides back,
+    each size scaled as the global one was (head_dim 256 -> 16 makes an override of 512 -> 32)."""
+    if "_heterogeneity_spec" not in vars(cfg):
+        before, _ = _shrink(cfg)
+        _validated(cfg, before)
+        return cfg
+    d = cfg.to_dict()
+    overrides = {int(k): v for k, v in (d.pop("per_layer_config", None) or {}).items()}
+    flat = type(cfg).from_dict(dict(d, per_layer_config={}))  # an empty override table: homogeneous
+    before, kept = _shrink(flat)
+    kept = kept or list(range(int(flat.num_hidden_layers)))
+    new = {}
+    for j, i in enumerate(kept):
+        ov = {}
+        for attr, val in overrides.get(i, {}).items():
+            g = before.get(attr)
+            ov[attr] = type(val)(max(1, round(getattr(flat, attr) * val / g))) if _is_num(val) and _is_num(g) and g else val
+        if ov:
+            new[str(j)] = ov
+    out = type(cfg).from_dict(dict(flat.to_dict(), per_layer_config=new))
+    _validated(out, before)
+    return out
