@@ -38,7 +38,7 @@ _VALIDATED = {
     "nemotron": lambda c: c.num_key_value_heads == 2,
     "bert": lambda c: c.is_decoder is True,  # BertLMHeadModel is causal (and caches) only as a decoder
     # heterogeneous (per_layer_config): the kept global layer's head dim scaled as the global one was (512/256 -> 32/16)
-    "gemma4_text": lambda c: c.head_dim == 16 and c.layer_types == ["sliding_attention", "full_attention"]
+    "gemma4_text": lambda c: c.to_dict()["head_dim"] == 16 and c.layer_types == ["sliding_attention", "full_attention"]
     and c.to_dict()["per_layer_config"] == {"1": {"head_dim": 32}},
 }
 
