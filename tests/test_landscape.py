@@ -117,27 +117,27 @@ def test_row_past_its_timeout_is_timeout_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_landscape_rows_end_to_end(tmp_path):
     """Three architectures, each in its own process: a PASS (Llama), an unraised op with its source
-    line (BLOOM's ALiBi mask), an export failure (CTRL); then a resumed run reuses every row."""
+    line (DiffLlama's two attention maps), an export failure (CTRL); then a resumed run reuses every row."""
     from nhil.landscape import run_landscape
 
     out = tmp_path / "landscape"
-    s = run_landscape(["llama", "bloom", "ctrl"], jobs=2, workdir=tmp_path / "work", output=out)
+    s = run_landscape(["llama", "diffllama", "ctrl"], jobs=2, workdir=tmp_path / "work", output=out)
     rows = {r["arch"]: r for r in s["rows"]}
     assert rows["llama"]["bucket"] == "PASS" and rows["llama"]["pim"]["share"] == 1.0 and rows["llama"]["top1"] == "8/8"
-    assert rows["bloom"]["bucket"] == "COMPILE_FAIL"
-    u = rows["bloom"]["unraised"][0]
-    assert u["source"].endswith(".py:" + u["source"].rsplit(":", 1)[1]) and "modeling_bloom.py" in u["source"] and u["class"].startswith("Bloom")
+    assert rows["diffllama"]["bucket"] == "COMPILE_FAIL"
+    u = rows["diffllama"]["unraised"][0]
+    assert u["source"].endswith(".py:" + u["source"].rsplit(":", 1)[1]) and "modeling_diffllama.py" in u["source"] and u["class"].startswith("DiffLlama")
     assert rows["ctrl"]["bucket"] == "EXPORT_FAIL" and "torch.export" in rows["ctrl"]["error"]
     assert "CRASH" not in {r["bucket"] for r in s["rows"]}
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["totals"] == s["totals"] and "| llama | LlamaForCausalLM | PASS | 100% |" in out.with_suffix(".md").read_text()
-    again = run_landscape(["llama", "bloom", "ctrl"], jobs=1, workdir=tmp_path / "work", output=None)
+    again = run_landscape(["llama", "diffllama", "ctrl"], jobs=1, workdir=tmp_path / "work", output=None)
     assert all(r.get("resumed") for r in again["rows"]) and again["totals"] == s["totals"]
 
 
 @pytest.mark.slow
 def test_landscape_default_subset(tmp_path):
-    """The representative subset (16 architectures, one process each): the rows the full run measured
+    """The representative subset (17 architectures, one process each): the rows the full run measured
     as PASS still pass with every weight matrix on PIM; every other row names its cause; nothing crashes."""
     from nhil.landscape import DEFAULT_SUBSET, run_landscape
     from nhil.landscape.runner import SUBSET_PASS

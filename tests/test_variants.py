@@ -114,3 +114,35 @@ def test_bmm_eager_attention_raises_to_the_pim_products(arch):
     check_raised_exact(ep, raised, (torch.tensor([[11]]), torch.tensor([5])), caches)
     # the transformers module tells positions apart on these caches: the logits at 5 and 9 differ
     assert (_run(ep, caches, 5) - _run(ep, caches, 9)).abs().max() > 1e-5
+
+
+def test_alibi_bias_raises_exactly_and_changes_the_logits():
+    """BLOOM's ALiBi: ``baddbmm(alibi, q, Kᵀ, beta=1, alpha=1/sqrt(hd))``. The product is the PIM
+    ``nhil::attention_scores`` in every layer; the bias and scale are host ATen rounded as ATen's
+    ``baddbmm`` rounds them, so the raised graph equals the exported one bit for bit at a position > 0
+    with random caches; and the same weights without the bias give other logits on these inputs (the
+    test tells ALiBi from no position bias)."""
+    import importlib
+
+    from nhil.compiler.check import check_raised_exact
+    from nhil.compiler.export import export_decode
+    from nhil.compiler.raising import raise_graph
+
+    model = _tiny("bloom")
+    ep, _ = export_decode(model, 16)
+    raised = raise_graph(ep, "decode")
+    n = model.config.num_hidden_layers
+    assert raised.counts["nhil::attention_scores"] == raised.counts["nhil::attention_values"] == n
+    assert "aten.baddbmm.default" not in raised.host_aten
+    g = torch.Generator().manual_seed(3)
+    caches = {c: torch.randn(raised.gm.get_buffer(c).shape, generator=g) for c in raised.cache_names}
+    check_raised_exact(ep, raised, (torch.tensor([[11]]), torch.tensor([5])), caches)
+
+    mod = importlib.import_module(type(model).__module__)
+    orig = mod._get_alibi_slopes  # BloomModel.forward without a padding mask: slopes[:, None, None] * key positions
+    try:
+        mod._get_alibi_slopes = lambda heads, device: torch.zeros_like(orig(heads, device))
+        ep_b, _ = export_decode(copy.deepcopy(model), 16)
+    finally:
+        mod._get_alibi_slopes = orig
+    assert (_run(ep, caches, 5) - _run(ep_b, caches, 5)).abs().max() > 1e-5

@@ -4,7 +4,7 @@ for attention whose score transform is the model's own code (eager attention).
 An eager attention layer computes ``matmul(q, Kᵀ)``, then its own transform of the scores
 (scale, additive mask, ALiBi bias, soft-cap, ... then softmax), then ``matmul(p, V)``. The two
 products over the KV cache are PIM-bound and named here; the transform between them runs
-as host ATen, exactly as exported (``nhil.compiler.raise_anchor.h_attention_eager``). The
+as host ATen, exactly as exported (``nhil.compiler.raise_anchor_eager.h_attention_eager``). The
 device computes a score for every cache position (rows beyond the current one are zero, and
 the model's own mask gives them probability 0).
 

@@ -98,7 +98,8 @@ def raise_region(ctx: Ctx) -> str:
             host, or else the first pattern's mismatch.
     """
     from nhil.compiler.host_aten import h_host_aten
-    from nhil.compiler.raise_anchor import h_attention_anchor, h_attention_eager
+    from nhil.compiler.raise_anchor import h_attention_anchor
+    from nhil.compiler.raise_anchor_eager import EAGER_PRODUCTS, h_attention_eager
 
     ops = {n.target for n in ctx.nodes}
     first: Mismatch | None = None
@@ -106,7 +107,7 @@ def raise_region(ctx: Ctx) -> str:
     tries = candidates(ops)
     if aten.scaled_dot_product_attention.default in ops:
         tries.append(("attention (anchors)", h_attention_anchor))
-    elif aten.index_copy_.default in ops and (aten.matmul.default in ops or aten.bmm.default in ops):
+    elif aten.index_copy_.default in ops and ops & set(EAGER_PRODUCTS):
         tries.append(("attention (anchors)", h_attention_eager))
     tries.append(("host ATen", h_host_aten))
     for name, h in tries:

@@ -129,10 +129,18 @@ def _sandwiched_dropout(n: fx.Node, key: dict) -> tuple[str, str] | None:
     if n.target != torch.ops.aten.dropout.default or (len(n.args) > 2 and n.args[2]):
         return None
     src = n.args[0]
+    while isinstance(src, fx.Node) and _is_transparent(src):
+        src = src.args[0]
     if not isinstance(src, fx.Node) or src not in key:
         return None
     parent = key[src]
-    users = [u for u in n.users if u in key]
+    users, stack = [], list(n.users)
+    while stack:  # through identity casts (GPT-Neo casts the probabilities to the value dtype)
+        u = stack.pop()
+        if _is_transparent(u):
+            stack.extend(u.users)
+        elif u in key:
+            users.append(u)
     if parent[0] and key[n][0].startswith(parent[0] + ".") and users and all(key[u] == parent for u in users):
         return parent
     return None

@@ -29,11 +29,11 @@ ROW_TIMEOUT_S = 600.0
 # the default-test subset (tests/test_landscape.py): PASS rows of each kind (Llama, GPT-2, Gemma 2, MoE with sinks;
 # raised by the attention anchors with host-ATen RoPE variants: GPT-J, Cohere, Phi; host-ATen activations and scalar
 # multipliers: Arcee, Granite; MoE on host-ATen routing: GraniteMoE; positions handed in at export: OPT, and the
-# BERT-family decoders) and one row per failure bucket as measured by
+# BERT-family decoders; ALiBi through baddbmm: BLOOM) and one row per failure bucket as measured by
 # the full run (docs/landscape.md)
 DEFAULT_SUBSET = ("llama", "gpt2", "gemma2", "gpt_oss", "gptj", "cohere", "phi", "arcee", "granite", "granitemoe",
-                  "opt", "bert", "bloom", "ctrl", "hrm_text", "dbrx")
-SUBSET_PASS = ("llama", "gpt2", "gemma2", "gpt_oss", "gptj", "cohere", "phi", "arcee", "granite", "granitemoe", "opt", "bert")
+                  "opt", "bert", "bloom", "diffllama", "ctrl", "hrm_text", "dbrx")
+SUBSET_PASS = ("llama", "gpt2", "gemma2", "gpt_oss", "gptj", "cohere", "phi", "arcee", "granite", "granitemoe", "opt", "bert", "bloom")
 
 
 def _row(arch: str, rows_dir: Path, timeout_s: float, rerun: bool) -> dict:
