@@ -160,3 +160,15 @@ def test_landscape_full(tmp_path):
     assert s["totals"].get("CRASH", 0) == 0
     for r in s["rows"]:
         assert r["bucket"] == "PASS" or r.get("error") or r.get("unraised"), r["arch"]
+
+
+@pytest.mark.slow
+def test_row_from_a_cached_program_keeps_its_pim_share(tmp_path):
+    """A second row of the same architecture reuses the content-addressed program (no compile, so no raise to
+    probe): its PIM share comes from the share recorded with the program, and the row is still PASS."""
+    from nhil.landscape.row import run_row
+
+    first = run_row("llama", tmp_path / "a")
+    again = run_row("llama", tmp_path / "b")
+    assert first["bucket"] == again["bucket"] == "PASS", (first.get("error"), again.get("error"))
+    assert again["pim"] == first["pim"] and again["pim"]["share"] == 1.0
