@@ -168,7 +168,7 @@ def test_row_from_a_cached_program_keeps_its_pim_share(tmp_path):
     probe): its PIM share comes from the share recorded with the program, and the row is still PASS."""
     from nhil.landscape.row import run_row
 
-    first = run_row("llama", tmp_path / "a")
-    again = run_row("llama", tmp_path / "b")
+    first = run_row("llama", tmp_path)
+    again = run_row("llama", tmp_path)  # the same config path: the program and the reference come from the cache
     assert first["bucket"] == again["bucket"] == "PASS", (first.get("error"), again.get("error"))
     assert again["pim"] == first["pim"] and again["pim"]["share"] == 1.0
