@@ -21,6 +21,7 @@ from nhil.targets.base import ResolvedInstr
 from nhil.targets.rtl import RtlTarget
 from nhil.targets.sim import SimTarget
 from test_rtl import Recorder, _same, needs_tools
+from test_rtl_formats import _verify_quantized
 
 D2, D4 = DEVICE_PRESETS["rtl-tiny2"], DEVICE_PRESETS["rtl-tiny4"]
 
@@ -144,18 +145,8 @@ def test_device_presets_and_channel_limits():
         RtlTarget(device="aim-like")
 
 
-def _verify(tmp_path, device: str, quant: str = "bf16", tokens: int = 2) -> dict:
-    from nhil.verify import VerifyOptions, verify
-
-    rep = verify(VerifyOptions(model="llama-tiny", target="rtl", tokens=tokens, quant=quant, target_options={"device": device},
-                               goldens_dir=tmp_path / "g", runs_dir=tmp_path / "r"))
-    assert rep["outcome"] == "PASS", rep.get("error") or rep.get("checks")
-    ts = rep["target_stats"]
-    assert ts["device"] == device
-    ls = ts["lockstep"]
-    assert ls["syncs_compared"] > 0 and ls["readbacks_compared"] > 0 and ls["first_mismatch"] is None
-    assert next(c for c in rep["checks"] if c["name"] == "bit_identical_to_sim")["passed"]
-    return rep
+def _verify(tmp_path, device: str, quant: str = "bf16") -> dict:
+    return _verify_quantized(tmp_path, "rtl", quant, device)
 
 
 @pytest.mark.rtl
@@ -168,8 +159,7 @@ def test_llama_tiny_on_two_channels_is_bit_identical_at_every_sync(tmp_path):
 @pytest.mark.rtl
 @needs_tools
 def test_quantized_llama_tiny_on_two_channels_is_bit_identical_at_every_sync(tmp_path):
-    rep = _verify(tmp_path, "rtl-tiny2", quant="q4_1:lm_head=mxfp4")
-    assert set(rep["quant"]["weight_formats"]) == {"q4_1", "mxfp4"}
+    _verify(tmp_path, "rtl-tiny2", quant="q4_1:lm_head=mxfp4")
 
 
 @pytest.mark.rtl
