@@ -121,7 +121,7 @@ def run_model(model: str, device: str, steps: int, quant: str = "bf16") -> dict:
             wall = time.perf_counter() - t0
             st = tt.stats()
         r[name] = {"load_s": load_s, "wall_s": wall, "exec_s": tt.exec_s, "s_per_token": wall / steps, "stats": st, "outs": outs}
-        _say(f"{model} on {name}: {wall / steps:.3f} s per token ({steps} steps), load {load_s:.2f} s")
+        _say(f"{r['model']} on {name}: {wall / steps:.3f} s per token ({steps} steps), load {load_s:.2f} s")
     rs = r["rtl"]["stats"]
     r["cycles"] = rs["cycles"]
     r["macs"] = rs["macs"]
