@@ -101,10 +101,11 @@ def _verify_cell(row: CoverageRow, name: str, target: str, quant: str, tokens: i
     out = rep["outcome"]
     if out == "SKIPPED":  # the target's capabilities() do not claim something the program needs
         out = "not claimed (" + (rep.get("error") or "").split("does not implement ", 1)[-1].split(" (")[0] + ")"
-    elif out != "PASS" and target != "sim":
-        out += f" ({(rep.get('error') or '')[:100]})"
-    elif out == "PASS" and target != "sim":
-        out += " (bit-identical to sim)" if any(c["name"].startswith("bit_identical") and c["passed"] for c in rep["checks"]) else ""
+    elif target != "sim":
+        checks = rep.get("checks") or []
+        same = any(c["name"].startswith("bit_identical") and c["passed"] for c in checks)
+        why = [rep.get("error") or ", ".join(c["name"] for c in checks if not c["passed"])] if out != "PASS" else []
+        out += f" ({'; '.join([w[:100] for w in why if w] + (['bit-identical to sim'] if same else []))})" if why or same else ""
     if target == "sim" and quant == "bf16":
         top1 = sum(bool(s.get("top1_agree")) for s in steps)
         sq = min((s["sqnr_db"] for s in steps if s.get("sqnr_db") is not None), default=float("nan"))
