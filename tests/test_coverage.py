@@ -17,3 +17,24 @@ def test_quantized_runs_are_added_to_the_rtl_and_fpga_cells():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[-2:] == ["bf16: PASS (bit-identical to sim); q8_0: PASS (bit-identical to sim); mxfp4: MISMATCH (logits)", "PASS (bit-identical to sim)"]
     assert "--quant" not in render_markdown([dense], stamp="S", commit="c")
+
+
+def test_a_cell_names_the_failed_checks_and_the_bit_identity(monkeypatch, tmp_path):
+    import nhil.verify
+    from nhil.coverage import _verify_cell
+
+    seen = []
+
+    def fake(o):
+        seen.append((o.model, o.target, o.quant))
+        same = {"name": "bit_identical_to_sim", "passed": o.quant != "int8"}
+        if o.quant == "bf16":
+            return {"outcome": "PASS", "checks": [same]}
+        return {"outcome": "MISMATCH", "checks": [{"name": "logits_within_tolerance", "passed": True}, {"name": "expert_selection", "passed": False}, same]}
+
+    monkeypatch.setattr(nhil.verify, "verify", fake)
+    row = CoverageRow("mixtral")
+    assert _verify_cell(row, "mixtral", "rtl", "bf16", 8, tmp_path) == "PASS (bit-identical to sim)"
+    assert _verify_cell(row, "mixtral", "fpga", "mxfp4", 8, tmp_path) == "MISMATCH (expert_selection; bit-identical to sim)"
+    assert _verify_cell(row, "mixtral", "rtl", "int8", 8, tmp_path) == "MISMATCH (expert_selection, bit_identical_to_sim)"
+    assert seen == [("mixtral", "rtl", "bf16"), ("mixtral", "fpga", "mxfp4"), ("mixtral", "rtl", "int8")]
