@@ -38,12 +38,13 @@ def _checked(fn, *args, **kwargs):
 def models(
     coverage: bool = typer.Option(False, help="measure and print the per-architecture coverage table (export/raise/lower/verify; minutes)"),
     targets: str = typer.Option("sim", help="with --coverage: comma-separated targets to verify on (sim,rtl,fpga)"),
+    quant: str = typer.Option("", help="with --coverage: comma-separated quant recipes the MoE families' rtl/fpga columns are verified with too"),
 ) -> None:
     """List registered models."""
     if coverage:
         from nhil.coverage import DEFAULT_MODELS, coverage_table, format_rows
 
-        typer.echo(format_rows(coverage_table(DEFAULT_MODELS, tuple(t for t in targets.split(",") if t))))
+        typer.echo(format_rows(coverage_table(DEFAULT_MODELS, tuple(t for t in targets.split(",") if t), quants=tuple(q for q in quant.split(",") if q))))
         return
     from nhil.models import list_models
 

@@ -14,6 +14,10 @@
 rtl / fpga columns are "not run" unless asked for (``targets=``, ``--targets sim,rtl,fpga``);
 a target whose ``capabilities()`` lack something the program needs shows "not claimed (...)":
 the coverage table never reports a target as passing that was not run or not claimed.
+``quants=`` (``--quant q8_0,mxfp4``) verifies the rtl / fpga columns once more per quant recipe,
+for the models of ``quant_models=`` (``--quant-models``, default: the MoE families
+``MOE_MODELS``, whose expert sub-programs then run quantized); each such run is added to the
+cell as ``<recipe>: <outcome>``.
 
 ``python -m nhil.coverage --write docs/architectures.md`` regenerates the docs table.
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 
 DEFAULT_MODELS = ("llama-tiny", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3",
                   "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "mamba2", "lfm2", "olmo_hybrid")
+MOE_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 @dataclasses.dataclass
@@ -47,6 +52,7 @@ class CoverageRow:
     sim_detail: str = ""
     rtl: str = "not run"
     fpga: str = "not run"
+    quant_runs: dict = dataclasses.field(default_factory=dict)  # target -> {recipe: outcome} (rtl/fpga, ``quants=``)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -86,7 +92,29 @@ def _raise_status(ep, kind: str, row: CoverageRow) -> tuple[str, object]:
     return "ok (bit-exact)", raised
 
 
-def coverage_row(name: str, targets: tuple[str, ...] = ("sim",), tokens: int = 8, workdir: Path | None = None) -> CoverageRow:
+def _verify_cell(row: CoverageRow, name: str, target: str, quant: str, tokens: int, wd: Path) -> str:
+    """``verify`` of ``name`` on ``target`` with the ``quant`` recipe -> the cell text (sim: also ``row.sim_detail``)."""
+    from nhil.verify import VerifyOptions, verify
+
+    rep = verify(VerifyOptions(model=name, target=target, tokens=tokens, quant=quant, goldens_dir=wd / "goldens", runs_dir=wd / "runs"))
+    steps = rep.get("steps") or []
+    out = rep["outcome"]
+    if out == "SKIPPED":  # the target's capabilities() do not claim something the program needs
+        out = "not claimed (" + (rep.get("error") or "").split("does not implement ", 1)[-1].split(" (")[0] + ")"
+    elif target != "sim":
+        checks = rep.get("checks") or []
+        same = any(c["name"].startswith("bit_identical") and c["passed"] for c in checks)
+        why = [rep.get("error") or ", ".join(c["name"] for c in checks if not c["passed"])] if out != "PASS" else []
+        out += f" ({'; '.join([w[:100] for w in why if w] + (['bit-identical to sim'] if same else []))})" if why or same else ""
+    if target == "sim" and quant == "bf16":
+        top1 = sum(bool(s.get("top1_agree")) for s in steps)
+        sq = min((s["sqnr_db"] for s in steps if s.get("sqnr_db") is not None), default=float("nan"))
+        row.sim_detail = f"top-1 {top1}/{len(steps)}, worst SQNR {sq:.1f} dB" if steps else (rep.get("error") or "")[:160]
+    return out
+
+
+def coverage_row(name: str, targets: tuple[str, ...] = ("sim",), tokens: int = 8, workdir: Path | None = None,
+                 quants: tuple[str, ...] = (), quant_models: tuple[str, ...] = MOE_MODELS) -> CoverageRow:
     """Measure one registered model (see the module docstring)."""
     import torch
 
@@ -123,35 +151,30 @@ def coverage_row(name: str, targets: tuple[str, ...] = ("sim",), tokens: int = 8
             row.lower = f"FAIL: {_short(e)}"
     else:
         row.lower = "-" if raised is None else "no (ops unraised)"
+    wd = Path(workdir or tempfile.mkdtemp(prefix="nhil-coverage-"))
     for target in targets:
         if row.lower != "ok":
             setattr(row, target, "-")
             continue
-        from nhil.verify import VerifyOptions, verify
-
-        wd = Path(workdir or tempfile.mkdtemp(prefix="nhil-coverage-"))
-        rep = verify(VerifyOptions(model=name, target=target, tokens=tokens, goldens_dir=wd / "goldens", runs_dir=wd / "runs"))
-        steps = rep.get("steps") or []
-        top1 = sum(bool(s.get("top1_agree")) for s in steps)
-        sq = min((s["sqnr_db"] for s in steps if s.get("sqnr_db") is not None), default=float("nan"))
-        out = rep["outcome"]
-        if out == "SKIPPED":  # the target's capabilities() do not claim something the program needs
-            out = "not claimed (" + (rep.get("error") or "").split("does not implement ", 1)[-1].split(" (")[0] + ")"
-        elif out != "PASS" and target != "sim":
-            out += f" ({(rep.get('error') or '')[:100]})"
-        elif out == "PASS" and target != "sim":
-            out += " (bit-identical to sim)" if any(c["name"].startswith("bit_identical") and c["passed"] for c in rep["checks"]) else ""
-        setattr(row, target, out)
-        if target == "sim":
-            row.sim_detail = f"top-1 {top1}/{len(steps)}, worst SQNR {sq:.1f} dB" if steps else (rep.get("error") or "")[:160]
+        setattr(row, target, _verify_cell(row, name, target, "bf16", tokens, wd))
+        if target != "sim" and name in quant_models:
+            for q in quants:
+                row.quant_runs.setdefault(target, {})[q] = _verify_cell(row, name, target, q, tokens, wd)
     row.seconds = round(time.perf_counter() - t0, 1)
     return row
 
 
-def coverage_table(models: tuple[str, ...] = DEFAULT_MODELS, targets: tuple[str, ...] = ("sim",), tokens: int = 8) -> list[dict]:
-    """Rows (dicts, see :class:`CoverageRow`) for ``models``, measured now."""
+def coverage_table(models: tuple[str, ...] = DEFAULT_MODELS, targets: tuple[str, ...] = ("sim",), tokens: int = 8,
+                   quants: tuple[str, ...] = (), quant_models: tuple[str, ...] = MOE_MODELS) -> list[dict]:
+    """Rows (dicts, see :class:`CoverageRow`) for ``models``, measured now (``quants``: see the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="nhil-coverage-") as wd:
-        return [coverage_row(m, targets, tokens, Path(wd)).as_dict() for m in models]
+        return [coverage_row(m, targets, tokens, Path(wd), quants, quant_models).as_dict() for m in models]
+
+
+def target_cell(r: dict, target: str) -> str:
+    """The rtl / fpga cell of row ``r``: the bf16 outcome, then ``<recipe>: <outcome>`` per quantized run."""
+    extra = (r.get("quant_runs") or {}).get(target) or {}
+    return "; ".join([r[target] if not extra else f"bf16: {r[target]}"] + [f"{q}: {v}" for q, v in extra.items()])
 
 
 def _commit() -> str:
@@ -175,9 +198,12 @@ def render_markdown(rows: list[dict], stamp: str | None = None, commit: str | No
         prims = ", ".join(f"{k.removeprefix('nhil::')}×{v}" for k, v in r["primitives"].items()) or "-"
         unr = ", ".join(r["unraised"]) or "none"
         sim = r["sim"] + (f" ({r['sim_detail']})" if r["sim_detail"] else "")
-        out.append(f"| {r['model']} | {r['export_prefill']} / {r['export_decode']} | {r['raise_prefill']} / {r['raise_decode']} | {prims} | {unr} | {r['lower']} | {sim} | {r['rtl']} | {r['fpga']} |")
+        out.append(f"| {r['model']} | {r['export_prefill']} / {r['export_decode']} | {r['raise_prefill']} / {r['raise_decode']} | {prims} | {unr} | {r['lower']} | {sim} | {target_cell(r, 'rtl')} | {target_cell(r, 'fpga')} |")
     ran = [t for t in ("sim", "rtl", "fpga") if any(r[t] != "not run" for r in rows)]
-    return f"Measured {stamp} at commit `{commit}` by `nhil models --coverage --targets {','.join(ran) or 'sim'}` (tiny seeded configs, 8 decoded tokens).\n\n" + "\n".join(out) + "\n"
+    qs = list(dict.fromkeys(q for r in rows for runs in (r.get("quant_runs") or {}).values() for q in runs))
+    qarg = f" --quant {','.join(qs)}" if qs else ""
+    return (f"Measured {stamp} at commit `{commit}` by `nhil models --coverage --targets {','.join(ran) or 'sim'}{qarg}` "
+            "(tiny seeded configs, 8 decoded tokens).\n\n" + "\n".join(out) + "\n")
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -188,7 +214,7 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['model']:12s} {ex:10s} {r['raise_decode'][:34]:34s} {r['lower'][:18]:18s} {r['sim']} {r['sim_detail']}")
         for t in ("rtl", "fpga"):
             if r[t] != "not run":
-                lines.append(f"{'':12s} {t}: {r[t]}")
+                lines.append(f"{'':12s} {t}: {target_cell(r, t)}")
         if r["unraised"]:
             lines.append(f"{'':12s} unraised: {', '.join(r['unraised'])[:200]}")
     return "\n".join(lines)
@@ -200,9 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--targets", default="sim", help="comma-separated targets to verify on (sim,rtl,fpga); others stay 'not run'")
+    ap.add_argument("--quant", default="", help="comma-separated quant recipes to verify the rtl/fpga columns with as well")
+    ap.add_argument("--quant-models", default=",".join(MOE_MODELS), help="models the --quant runs are for (default: the MoE families)")
     ap.add_argument("--write", type=Path, help="rewrite the generated table in this markdown file (docs/architectures.md)")
     a = ap.parse_args(argv)
-    rows = coverage_table(tuple(m for m in a.models.split(",") if m), tuple(t for t in a.targets.split(",") if t))
+    split = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731
+    rows = coverage_table(split(a.models), split(a.targets), quants=split(a.quant), quant_models=split(a.quant_models))
     print(format_rows(rows))
     if a.write:
         write_doc(a.write, rows)

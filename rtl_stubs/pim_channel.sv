@@ -19,8 +19,16 @@
 // Weight formats (CFR 1 = W_FMT, docs/isa.md): with W_FMT != 0 a MAC reads its row as bytes
 // in that format. For burst j the channel computes the byte offsets of the burst's element
 // codes and block record (pim_fp_pkg::wfmt_fetch), reads the two bursts around each and the
-// row's first burst (header) through the banks' open-row ports, and each bank's pim_wdec
-// decodes its lanes and scales for its pim_mac. Quantized formats need LANES == 16.
+// row's first burst (header) through the banks' open-row ports, and each bank's pim_bmac
+// (pim_wdec + pim_mac) decodes its lanes and scales and accumulates. Quantized formats need LANES == 16.
+//
+// Channels (docs/rtl-interface.md "Channels"): channel CH_ID of a CHANNELS-channel device
+// (pim_device) on a command bus shared by all channels. Every channel takes every beat and walks
+// the same states for the same cycles; an instruction addresses this channel when ALL_CH is set
+// or ch == CH_ID, otherwise it is skipped like a dropped one (beats consumed, nothing written,
+// readback lanes zero) without err_o. RD_ACC/WR_ACC slots are device slots: with ALL_CH, slot
+// s is bank s - CH_ID*BANKS of this channel; without, bank s of channel ch. The device ORs the
+// channels' readback beats. With the defaults (CH_ID 0, CHANNELS 1) this is one channel alone.
 `timescale 1ns / 1ps
 
 module pim_channel #(
@@ -30,7 +38,9 @@ module pim_channel #(
     parameter int LANES    = 16,   // MAC lanes = bf16 elements per burst
     parameter int ACCS     = 4,    // fp32 accumulators per bank
     parameter int GB_ELEMS = 128,  // bf16 elements in the global buffer
-    parameter int DW       = LANES * 16  // stream beat width; must equal LANES*16 (>= 128)
+    parameter int DW       = LANES * 16,  // stream beat width; must equal LANES*16 (>= 128)
+    parameter int CH_ID    = 0,  // this channel's index on the shared command bus
+    parameter int CHANNELS = 1   // channels of the device (the ch field must be < CHANNELS)
 ) (
     input  logic          clk,
     input  logic          rst_n,      // synchronous, active low: clears GB, accumulators, CFR, FSM
@@ -91,13 +101,20 @@ module pim_channel #(
   assign f_rsv   = cmd_data[111:104];
   assign f_imm   = cmd_data[127:112];
 
+`ifdef INJECT_CHANNEL_BUG
+  localparam logic BUG_CH = CH_ID == 1;  // negative tests only: channel 1's MAC_AB leaves bank 3's accumulator as it was
+`else
+  localparam logic BUG_CH = 1'b0;
+`endif
+
   // ------------------------------------------------------------------ state
   state_t st;
   logic [7:0] op_r;
   logic [BKW-1:0] bank_r;
   logic [15:0] row_r, col_r, n_r, imm_r, cnt, last;
   logic [KW-1:0] k_r;
-  logic drop_r;  // malformed instruction: consume its beats, write nothing, read zeros
+  logic drop_r;  // malformed or not for this channel: consume its beats, write nothing, read zeros
+  logic all_r;  // ALL_CH: RD_ACC/WR_ACC slots are device slots (this channel's start at CH_ID*BANKS)
   logic cfr_bf16;
   logic [7:0] wfmt;  // CFR 1 (W_FMT): 0 bf16, else a weight-format code
   logic [DW-1:0] gb[GB_BURSTS];
@@ -148,7 +165,7 @@ module pim_channel #(
         .ROWS(ROWS),
         .BURSTS(BURSTS),
         .LANES(LANES),
-        .BANK_ID(b)
+        .BANK_ID(CH_ID * BANKS + b)
     ) u_bank (
         .clk(clk),
         .we(bk_we[b]),
@@ -200,32 +217,14 @@ module pim_channel #(
 
   // dot16 of the activations alone (GGUF Q4_1's min term): one more tree, shared by the banks
   logic [31:0] mac_sa;
-  logic [LANES*LANE_W-1:0] ones;
-  always_comb for (int i = 0; i < LANES; i++) ones[LANE_W*i+:LANE_W] = LANE_ONE;
-  /* verilator lint_off PINCONNECTEMPTY */
-  pim_mac #(
+  pim_asum #(
       .LANES(LANES)
   ) u_asum (
-      .w_i(ones),
       .a_i(mac_fmt == 8'h32 ? mac_a : '0),
-      .c1_i(32'd0),
-      .c2_i(32'd0),
-      .m_i(32'd0),
-      .use_c1(1'b0),
-      .use_c2(1'b0),
-      .use_m(1'b0),
-      .sa_i(32'd0),
-      .acc_i(32'd0),
-      .dot_o(mac_sa),
-      .t_o(),
-      .acc_o()
+      .sa_o(mac_sa)
   );
-  /* verilator lint_on PINCONNECTEMPTY */
 
   for (genvar b = 0; b < BANKS; b++) begin : g_mac
-    logic [LANES*LANE_W-1:0] lanes;
-    logic [31:0] c1, c2, m;
-    logic u1, u2, um;
     logic [DW-1:0] x0, x1, x2, x3;
     logic [31:0] x4;  // the row header (bytes 0..3)
     assign x0 = wf_ok[0] ? bk_xdata[b][DW*0+:DW] : '0;
@@ -233,9 +232,10 @@ module pim_channel #(
     assign x2 = wf_ok[2] ? bk_xdata[b][DW*2+:DW] : '0;
     assign x3 = wf_ok[3] ? bk_xdata[b][DW*3+:DW] : '0;
     assign x4 = bk_xdata[b][DW*4+:32];
-    pim_wdec #(
+    /* verilator lint_off PINCONNECTEMPTY */
+    pim_bmac #(
         .LANES(LANES)
-    ) u_wdec (
+    ) u_bmac (
         .fmt(mac_fmt),
         .bf(mac_cyc ? bk_rdata[b] : '0),
         .ewin(512'({x1, x0})),
@@ -244,28 +244,14 @@ module pim_channel #(
         .rshift(sr),
         .hdr(x4),
         .nib_hi(nib_hi),
-        .lanes(lanes),
-        .c1(c1),
-        .c2(c2),
-        .m(m),
-        .use_c1(u1),
-        .use_c2(u2),
-        .use_m(um)
-    );
-    /* verilator lint_off PINCONNECTEMPTY */
-    pim_mac #(
-        .LANES(LANES)
-    ) u_mac (
-        .w_i(lanes),
         .a_i(mac_a),
-        .c1_i(c1),
-        .c2_i(c2),
-        .m_i(m),
-        .use_c1(u1),
-        .use_c2(u2),
-        .use_m(um),
         .sa_i(mac_sa),
         .acc_i(mac_cyc ? acc[b][k_r] : 32'd0),
+        .lanes(),
+        .c1_o(),
+        .c2_o(),
+        .m_o(),
+        .use_o(),
         .dot_o(),
         .t_o(),
         .acc_o(mac_out[b])
@@ -276,8 +262,10 @@ module pim_channel #(
   // ------------------------------------------------------------------ decode checks
   logic [15:0] beats_in;  // payload beats of the instruction in cmd_data
   logic [15:0] cycles;  // execution cycles / readback beats
-  logic bad;
+  logic bad, all_ch, sel;
   int lim;
+  assign all_ch = (f_flags & FLAG_ALL_CH) != 8'd0;
+  assign sel = all_ch || int'(f_ch) == CH_ID;
   /* verilator lint_off UNUSEDSIGNAL */
   logic [33:0] imm_fmt;  // geometry of the W_FMT code a SET_CFR writes (only its valid bit is used)
   /* verilator lint_on UNUSEDSIGNAL */
@@ -286,7 +274,7 @@ module pim_channel #(
     beats_in = 16'd0;
     cycles = f_n;
     lim = BURSTS;
-    bad = (f_rsv != 8'd0) || (((f_flags & FLAG_ALL_CH) == 8'd0) && f_ch != 8'd0);
+    bad = (f_rsv != 8'd0) || (!all_ch && int'(f_ch) >= CHANNELS);
     case (f_op)
       OP_WR_GB: begin
         beats_in = f_n;
@@ -305,7 +293,7 @@ module pim_channel #(
       bad = bad || !((f_k == 8'd0 && f_imm <= 16'd1) ||
                      (f_k == 8'd1 && (f_imm == 16'd0 || (LANES == 16 && f_imm[15:8] == 8'd0 && imm_fmt[33]))));
       OP_WR_ACC, OP_RD_ACC:
-      bad = bad || int'(f_k) >= ACCS || f_n == 16'd0 || int'(f_col) + int'(f_n) > BANKS;
+      bad = bad || int'(f_k) >= ACCS || f_n == 16'd0 || int'(f_col) + int'(f_n) > (all_ch ? CHANNELS : 1) * BANKS;
       OP_WR_SBK:
       bad = bad || int'(f_bank) >= BANKS || int'(f_row) >= ROWS || int'(f_col) >= BURSTS;
       OP_WR_GB: bad = bad || f_n == 16'd0 || int'(f_col) + int'(f_n) > lim;
@@ -315,10 +303,19 @@ module pim_channel #(
       OP_MAC_SB, OP_RD_SBK, OP_COPY_BK_GB, OP_COPY_GB_BK:
       bad = bad || f_n == 16'd0 || int'(f_row) >= ROWS || int'(f_bank) >= BANKS ||
             int'(f_col) + int'(f_n) > lim || (f_op == OP_MAC_SB && int'(f_k) >= ACCS) ||
-            (f_op == OP_RD_SBK && (f_flags & FLAG_ALL_CH) != 8'd0);
+            (f_op == OP_RD_SBK && all_ch);
       default: bad = 1'b1;  // reserved (EWMUL/EWADD/AF), HOST, unknown
     endcase
   end
+
+  // ------------------------------------------------------------------ accumulator slots
+  // bank of this channel holding lane j of the current RD_ACC/WR_ACC beat (slot col + cnt*APB + j)
+  function automatic int slot_bank(input int j);
+    return int'(col_r) + int'(cnt) * APB + j - (all_r ? CH_ID * BANKS : 0);
+  endfunction
+  function automatic logic acc_in(input int b);
+    return b >= 0 && b < BANKS;
+  endfunction
 
   // ------------------------------------------------------------------ readback data
   assign rd_valid = (st == S_OUT);
@@ -329,9 +326,8 @@ module pim_channel #(
       if (op_r == OP_RD_SBK) rd_data = bk_rdata[bank_r];
       else begin
         for (int j = 0; j < APB; j++) begin
-          if (int'(cnt) * APB + j < int'(n_r) && int'(col_r) + int'(cnt) * APB + j < BANKS)
-            rd_data[32*j+:32] = cfr_bf16 ? {f32_to_bf16(acc[int'(col_r)+int'(cnt)*APB+j][k_r]), 16'd0}
-                                         : acc[int'(col_r)+int'(cnt)*APB+j][k_r];
+          if (int'(cnt) * APB + j < int'(n_r) && acc_in(slot_bank(j)))
+            rd_data[32*j+:32] = cfr_bf16 ? {f32_to_bf16(acc[slot_bank(j)][k_r]), 16'd0} : acc[slot_bank(j)][k_r];
         end
       end
     end
@@ -350,6 +346,7 @@ module pim_channel #(
       wfmt <= 8'd0;
       err_o <= 1'b0;
       drop_r <= 1'b0;
+      all_r <= 1'b0;
       cnt <= '0;
       for (int i = 0; i < GB_BURSTS; i++) gb[i] <= '0;
       for (int b = 0; b < BANKS; b++) for (int k = 0; k < ACCS; k++) acc[b][k] <= '0;
@@ -364,7 +361,8 @@ module pim_channel #(
           n_r <= f_n;
           imm_r <= f_imm;
           k_r <= KW'(f_k);
-          drop_r <= bad;
+          drop_r <= bad || !sel;
+          all_r <= all_ch;
           cnt <= '0;
           if (bad) err_o <= 1'b1;
           case (f_op)
@@ -381,7 +379,7 @@ module pim_channel #(
               if (cycles != 16'd0) st <= S_OUT;
             end
             OP_SET_CFR:
-            if (!bad) begin
+            if (!bad && sel) begin
               if (f_k == 8'd0) cfr_bf16 <= f_imm[0];
               else wfmt <= f_imm[7:0];
             end
@@ -396,8 +394,8 @@ module pim_channel #(
             if (op_r == OP_WR_GB) gb[gb_idx] <= cmd_data;
             if (op_r == OP_WR_ACC) begin
               for (int j = 0; j < APB; j++) begin
-                if (int'(cnt) * APB + j < int'(n_r) && int'(col_r) + int'(cnt) * APB + j < BANKS)
-                  acc[int'(col_r)+int'(cnt)*APB+j][k_r] <= cmd_data[32*j+:32];
+                if (int'(cnt) * APB + j < int'(n_r) && acc_in(slot_bank(j)))
+                  acc[slot_bank(j)][k_r] <= cmd_data[32*j+:32];
               end
             end
           end
@@ -407,7 +405,7 @@ module pim_channel #(
         S_EXEC: begin
           if (!drop_r) begin
             if (op_r == OP_MAC_AB) begin
-              for (int b = 0; b < BANKS; b++) acc[b][k_r] <= mac_out[b];
+              for (int b = 0; b < BANKS; b++) if (!(BUG_CH && b == 3)) acc[b][k_r] <= mac_out[b];
             end else if (op_r == OP_MAC_SB) begin
               acc[bank_r][k_r] <= mac_out[bank_r];
             end else if (op_r == OP_COPY_BK_GB) begin
@@ -431,5 +429,6 @@ module pim_channel #(
     if (DW != LANES * 16 || DW < 128) $error("pim_channel: DW must equal LANES*16 and be >= 128");
     if (COLS % LANES != 0 || GB_ELEMS % LANES != 0) $error("pim_channel: COLS and GB_ELEMS must be multiples of LANES");
     if (BANKS < 2 || ACCS < 2) $error("pim_channel: BANKS and ACCS must be >= 2");
+    if (CHANNELS < 1 || CHANNELS > 256 || CH_ID < 0 || CH_ID >= CHANNELS) $error("pim_channel: need 0 <= CH_ID < CHANNELS <= 256");
   end
 endmodule

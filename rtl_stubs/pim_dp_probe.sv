@@ -51,23 +51,27 @@ module pim_dp_probe #(
   assign fmul_y = f32_mul(fmul_a, fmul_b);
   assign cvt_y  = f32_to_bf16(cvt_a);
 
-  // ---------------------------------------------------------------- bf16 burst
-  logic [LANES*LANE_W-1:0] bl;
-  always_comb for (int i = 0; i < LANES; i++) bl[LANE_W*i+:LANE_W] = dec_bf16(mac_w[16*i+:16]);
+  // ---------------------------------------------------------------- bf16 burst (W_FMT 0)
   /* verilator lint_off PINCONNECTEMPTY */
-  pim_mac #(
+  pim_bmac #(
       .LANES(LANES)
   ) u_mac (
-      .w_i(bl),
+      .fmt(8'd0),
+      .bf(mac_w),
+      .ewin('0),
+      .eshift('0),
+      .rwin('0),
+      .rshift('0),
+      .hdr('0),
+      .nib_hi(1'b0),
       .a_i(mac_a),
-      .c1_i(32'd0),
-      .c2_i(32'd0),
-      .m_i(32'd0),
-      .use_c1(1'b0),
-      .use_c2(1'b0),
-      .use_m(1'b0),
       .sa_i(32'd0),
       .acc_i(mac_acc),
+      .lanes(),
+      .c1_o(),
+      .c2_o(),
+      .m_o(),
+      .use_o(),
       .dot_o(mac_dot),
       .t_o(),
       .acc_o(mac_y)
@@ -96,12 +100,17 @@ module pim_dp_probe #(
   logic [255:0] x[4];
   always_comb for (int k = 0; k < 4; k++) x[k] = ok[k] ? q_row[256*int'(idx[16*k+:16])+:256] : '0;
 
-  logic [16*LANE_W-1:0] ql, ones;
-  logic [31:0] c1, c2, m, sa;
-  logic u1, u2, um;
-  pim_wdec #(
+  logic [16*LANE_W-1:0] ql;
+  logic [31:0] sa;
+  pim_asum #(
       .LANES(16)
-  ) u_wdec (
+  ) u_asum (
+      .a_i(q_a),
+      .sa_o(sa)
+  );
+  pim_bmac #(
+      .LANES(16)
+  ) u_bmac (
       .fmt(q_fmt),
       .bf(q_row[256*int'(q_j[2:0])+:256]),
       .ewin({x[1], x[0]}),
@@ -110,57 +119,18 @@ module pim_dp_probe #(
       .rshift(rs),
       .hdr(q_row[31:0]),
       .nib_hi(hi),
-      .lanes(ql),
-      .c1(c1),
-      .c2(c2),
-      .m(m),
-      .use_c1(u1),
-      .use_c2(u2),
-      .use_m(um)
-  );
-  always_comb begin
-    for (int i = 0; i < 16; i++) begin
-      q_e[32*i+:32] = lane_to_f32(ql[LANE_W*i+:LANE_W]);
-      ones[LANE_W*i+:LANE_W] = LANE_ONE;
-    end
-  end
-  assign q_c1  = c1;
-  assign q_c2  = c2;
-  assign q_m   = m;
-  assign q_use = {um, u2, u1};
-  pim_mac #(
-      .LANES(16)
-  ) u_asum (
-      .w_i(ones),
       .a_i(q_a),
-      .c1_i(32'd0),
-      .c2_i(32'd0),
-      .m_i(32'd0),
-      .use_c1(1'b0),
-      .use_c2(1'b0),
-      .use_m(1'b0),
-      .sa_i(32'd0),
-      .acc_i(32'd0),
-      .dot_o(sa),
-      .t_o(),
-      .acc_o()
-  );
-  pim_mac #(
-      .LANES(16)
-  ) u_qmac (
-      .w_i(ql),
-      .a_i(q_a),
-      .c1_i(c1),
-      .c2_i(c2),
-      .m_i(m),
-      .use_c1(u1),
-      .use_c2(u2),
-      .use_m(um),
       .sa_i(sa),
       .acc_i(q_acc),
+      .lanes(ql),
+      .c1_o(q_c1),
+      .c2_o(q_c2),
+      .m_o(q_m),
+      .use_o(q_use),
       .dot_o(q_dot),
       .t_o(q_t),
       .acc_o(q_y)
   );
+  always_comb for (int i = 0; i < 16; i++) q_e[32*i+:32] = lane_to_f32(ql[LANE_W*i+:LANE_W]);
   /* verilator lint_on PINCONNECTEMPTY */
 endmodule

@@ -3,10 +3,12 @@
 // datapath probe (u_probe) so one build serves both the RtlTarget and the datapath unit
 // tests, and the file-driven command-stream driver (u_drv, pim_stream_drv): while the
 // driver is active it owns cmd_valid/cmd_data, otherwise the testbench drives them through
-// the forwarded ports. Parameters are passed through to pim_channel.
+// the forwarded ports. The device under test is pim_device (CHANNELS pim_channel instances;
+// one channel alone when CHANNELS = 1); parameters are passed through.
 `timescale 1ns / 1ps
 
 module pim_sim_top #(
+    parameter int CHANNELS = 1,
     parameter int BANKS    = 16,
     parameter int ROWS     = 256,
     parameter int COLS     = 128,
@@ -91,7 +93,8 @@ module pim_sim_top #(
       .busy(busy_o)
   );
 
-  pim_channel #(
+  pim_device #(
+      .CHANNELS(CHANNELS),
       .BANKS(BANKS),
       .ROWS(ROWS),
       .COLS(COLS),
@@ -99,7 +102,7 @@ module pim_sim_top #(
       .ACCS(ACCS),
       .GB_ELEMS(GB_ELEMS),
       .DW(DW)
-  ) u_ch (
+  ) u_dev (
       .clk(clk),
       .rst_n(rst_n),
       .cmd_valid(ch_cmd_valid),

@@ -455,9 +455,10 @@ def test_tcp_mode_on_loopback_with_env_port(sim_result, monkeypatch):
 
 
 @pytest.mark.rtl
-def test_rtl_backend_if_available():
+@pytest.mark.parametrize("device", ["rtl-tiny", "rtl-tiny2"])  # one channel; two (pim_device)
+def test_rtl_backend_if_available(device):
     pytest.importorskip("nhil.targets.rtl.target")
-    dev = DEVICE_PRESETS["rtl-tiny"]  # the RTL models one channel
+    dev = DEVICE_PRESETS[device]
     b = ProgramBuilder(dev)
     rng = np.random.default_rng(1)
     b.buffer("x", 200)
@@ -468,7 +469,7 @@ def test_rtl_backend_if_available():
     prog = b.finish({"inputs": {}, "outputs": {"y": "y"}}, {})
     ref = _run(prog, SimTarget(), steps=2)
     try:
-        with FpgaTarget(device="rtl-tiny", rtl=True, run_timeout=600) as t:
+        with FpgaTarget(device=device, rtl=True, run_timeout=600) as t:
             got = _run(prog, t, steps=2)
     except (LinkError, SetupError) as e:
         pytest.skip(f"RTL backend not usable here: {e}")

@@ -299,7 +299,7 @@ def test_capabilities_and_load_refusals():
     p.info["weight_formats"] = ["int4"]
     with pytest.raises(LoadError, match="int4"):
         t.load(p)
-    with pytest.raises(SetupError, match="one channel"):
+    with pytest.raises(SetupError, match="pim_device builds 1 to 8 channels"):
         RtlTarget(device="aim-like")
 
 

@@ -75,4 +75,11 @@ DEVICE_PRESETS: dict[str, DeviceConfig] = {
     # one AiM channel (16 banks x 16384 rows x 2 KB rows, 2 KB global buffer): the largest
     # single-channel RTL build; SmolLM2-135M fits it (nhil.targets.rtl, docs/rtl-interface.md)
     "rtl-aim1": DeviceConfig(name="rtl-aim1", channels=1, banks=16, rows=16384, row_bytes=2048, gb_bytes=2048),
+    # multi-channel RTL (pim_device: CHANNELS pim_channel instances on one command bus): rtl-tiny's
+    # channel twice / four times (CI), and AiM channels with the same 512 MB as rtl-aim1 split over
+    # 2 / 4 channels, so SmolLM2 sits in half / a quarter of the rows per channel
+    "rtl-tiny2": DeviceConfig(name="rtl-tiny2", channels=2, banks=16, rows=256, row_bytes=256, gb_bytes=256),
+    "rtl-tiny4": DeviceConfig(name="rtl-tiny4", channels=4, banks=16, rows=256, row_bytes=256, gb_bytes=256),
+    "rtl-aim2": DeviceConfig(name="rtl-aim2", channels=2, banks=16, rows=8192, row_bytes=2048, gb_bytes=2048),
+    "rtl-aim4": DeviceConfig(name="rtl-aim4", channels=4, banks=16, rows=4096, row_bytes=2048, gb_bytes=2048),
 }

