@@ -21,7 +21,7 @@ MLA spans five regions in the decode export, visited in this order:
 
 Each piece checks that its inputs come from the same attention's earlier pieces. In the
 prefill export (no cache) the pieces are: split + RoPE + query in one region (visited
-before ``kv_a_layernorm`` thanks to ``Raiser._topological``), the latent view alone,
+before ``kv_a_layernorm`` thanks to ``RegionPartition._topological``), the latent view alone,
 ``kv_b_proj`` over the prompt's latents, and the same core -> one ``nhil.mla``.
 """
 
