@@ -33,7 +33,7 @@ import operator
 import torch
 
 from nhil.compiler.raise_ctx import INT64_MAX, Ctx, aten, nhil
-from nhil.compiler.raise_match import Mismatch, V
+from nhil.compiler.raise_match import Mismatch, V, match_any
 from nhil.compiler.raising import _val
 
 MAMBA2_SPLIT = [
@@ -122,6 +122,22 @@ SSM_SCALAR_DECAY = [
 
 MAMBA2_MIXER_DECODE = MAMBA2_SPLIT + CONV_UPDATE + SSM_SCALAR_DECAY
 
+
+def _gated_in_mixer(ssm: list) -> list:
+    """:data:`SSM_SCALAR_DECAY` with the output gate applied inside the mixer, ``y * silu(gate)`` per head (the
+    ``z=gate.view(B, H, hd)`` of ``mamba2_selective_state_update`` when the mixer has no gated RMSNorm: Falcon-H1's
+    ``mamba_rms_norm=False``); the head view of the gate is taken after the ``dt_bias`` expand."""
+    at = next(i for i, st in enumerate(ssm) if st[0] == "be") + 1
+    return (ssm[:at] + [("gv", aten.view.default, (V("gate"), [1, V("H"), V("hd")]), None)] + ssm[at:-1]
+            + [("sg", aten.silu.default, (V("gv"),), None), ("gy", aten.mul.Tensor, (V("y"), V("sg")), None),
+               ("out", aten.view.default, (V("gy"), [1, 1, V("I")]), None)])
+
+
+# Falcon-H1: in_proj's output times the muP multipliers (``mup_vector`` buffer) before the split; gate inside
+MAMBA2_MIXER_MUP_GATED = ([("mup", aten.mul.Tensor, (V("proj"), V("mup_vector")), None)] + MAMBA2_SPLIT[:2]
+                          + [(n, t, (V("mup"),) + a[1:] if n == "split" else a, k) for n, t, a, k in MAMBA2_SPLIT[2:]]
+                          + CONV_UPDATE + _gated_in_mixer(SSM_SCALAR_DECAY))
+
 GATED_RMS_NORM = [
     ("sg", aten.silu.default, (V("gate"),), None),
     ("m", aten.mul.Tensor, (V("x"), V("sg")), None),
@@ -167,16 +183,26 @@ def h_mamba2_mixer(ctx: Ctx) -> None:
     """Mamba-2 mixer decode region -> narrow x3, ``causal_conv1d_update``, narrow x3, ``ssm_state_update``.
 
     The in_proj output ``zxbcdt`` is split into the gate (consumed by the gated norm's
-    region), the conv input ``xBC`` and ``dt``; the conv output into x, B, C.
+    region, or inside the mixer: ``silu_mul(gate, y)``), the conv input ``xBC`` and ``dt``;
+    the conv output into x, B, C. Falcon-H1's muP multiply of the in_proj output by its
+    ``mup_vector`` buffer is host ATen (an elementwise product with a constant vector).
     """
-    b = ctx.match([MAMBA2_MIXER_DECODE])
+    i, b = match_any([MAMBA2_MIXER_DECODE, MAMBA2_MIXER_MUP_GATED], ctx.nodes, ctx.r.canon)
     I, CD, H, hd, G, N, GN, HG = (b[k] for k in ("I", "CD", "H", "hd", "G", "N", "GN", "HG"))
     ss = _shape(ctx, b["state"], "SSM state")
     if not (all(isinstance(v, int) for v in (I, CD, H, hd, G, N, GN, HG)) and H * hd == I and G * N == GN and CD == I + 2 * GN
             and HG * G == H and ss == (1, H, hd, N)
             and all(_shape(ctx, b[p], p) == (H,) for p in ("A_log", "D", "dt_bias"))):
         raise Mismatch(ctx.nodes[0], f"Mamba-2 shapes do not fit: inner {I}, conv channels {CD}, heads {H} x {hd}, groups {G} x state {N}, state buffer {ss}")
-    z = ctx.tensor(b["zxbcdt"])
+    if i == 1:
+        ms = _shape(ctx, b["mup_vector"], "muP vector")
+        if not (ms and ms[-1] == I + CD + H and all(d == 1 for d in ms[:-1]) and ctx.r.canon(b["mup_vector"]).op == "placeholder"):
+            raise Mismatch(ctx.nodes[0], f"muP multiplier of shape {ms} is not a constant per in_proj output ({I + CD + H})")
+        from nhil.compiler.host_aten import emit_host
+
+        z = emit_host(ctx, [b["mup"]])[b["mup"]]
+    else:
+        z = ctx.tensor(b["zxbcdt"])
     gate = ctx.emit(nhil.narrow.default, z, 0, I)
     xbc = ctx.emit(nhil.narrow.default, z, I, CD)
     dt = ctx.emit(nhil.narrow.default, z, I + CD, H)
@@ -186,6 +212,9 @@ def h_mamba2_mixer(ctx: Ctx) -> None:
     cs = ctx.emit(nhil.narrow.default, conv, I + GN, GN)
     y = ctx.emit(nhil.ssm_state_update.default, xs, dt, ctx.param(b["A_log"]), bs, cs, ctx.param(b["D"]), ctx.param(b["dt_bias"]),
                  _state(ctx, b["state"]), H, hd, G, N)
+    if i == 1:
+        ctx.set(b["out"], ctx.emit(nhil.silu_mul.default, gate, y))  # y * silu(gate): the same products, commuted
+        return
     ctx.set(b["gate"], gate)
     ctx.set(b["out"], y)
 
