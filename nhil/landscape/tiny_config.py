@@ -123,6 +123,28 @@ def _ensure_attention_layer(cfg) -> None:
             _set(cfg, k, v)
 
 
+def _rederive(cfg, stale: dict) -> None:
+    """Recompute the attributes a config class derives in ``__post_init__`` (not declared fields: Zamba2's
+    ``attention_hidden_size = 2 * hidden_size``, ``mamba_headdim``, ``num_query_groups``, ``hybrid_layer_ids``) from
+    the shrunk fields, by building the class again from its declared fields; declared fields keep the shrunk values,
+    and only an attribute still at the value derived for the default shape (``stale``) is replaced. Applied to stacks
+    with recurrent layers (whose mixers derive their widths); a class that cannot be rebuilt keeps its attributes."""
+    import dataclasses
+
+    types = getattr(cfg, "layer_types", None)
+    if not dataclasses.is_dataclass(cfg) or not isinstance(types, (list, tuple)) or not any(_cache_kind(t) == "state" for t in types):
+        return  # hybrid stacks only for now: MLA configs' stale qk_head_dim would change rows that pass
+    fields = {f.name for f in dataclasses.fields(cfg) if f.init}
+    try:
+        fresh = type(cfg)(**{k: v for k, v in vars(cfg).items() if k in fields})
+    except Exception:  # noqa: BLE001 - not rebuildable from its own fields
+        return
+    for k, v in vars(fresh).items():
+        # only a stale value (still what the class derived for its default shape) is replaced
+        if k not in fields and not k.startswith("_") and k in vars(cfg) and v != vars(cfg)[k] and vars(cfg)[k] == stale.get(k):
+            _set(cfg, k, v)
+
+
 def _layer_indices(v, n: int) -> bool:
     """``v`` is a non-empty strictly increasing list of layer indices below ``n`` (not a per-layer list of flags)."""
     return (isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
@@ -142,6 +164,7 @@ def _shrink(cfg) -> dict:
     from nhil.golden.decoder_stack import num_layers_of
 
     old_layers = num_layers_of(cfg)
+    defaults = dict(vars(cfg))
     before: dict = {}
     for key, val in SHRINK.items():
         try:
@@ -179,6 +202,7 @@ def _shrink(cfg) -> dict:
             elif isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
                 setattr(cfg, key, type(v)(v[i] for i in keep))
     _ensure_attention_layer(cfg)
+    _rederive(cfg, defaults)
     if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
         # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
         for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
