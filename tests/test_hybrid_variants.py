@@ -142,3 +142,38 @@ def test_qwen3_5_tiny_verifies_on_sim(tmp_path):
                                goldens_dir=tmp_path / "goldens", runs_dir=tmp_path / "runs"))
     assert rep["outcome"] == "PASS", rep.get("error")
     assert rep["tight"]["passed"]
+
+
+@pytest.mark.parametrize("model_type", ["falcon_h1", "bamba"])
+def test_mamba2_mixers_of_hybrids_raise_bit_exact_at_a_later_position_from_random_states(tmp_path, model_type):
+    """Falcon-H1 (muP-scaled in_proj output, gate inside the mixer) and Bamba mixers raise to ``ssm_state_update``
+    (8 heads x 16, 1 group, state 16), bit-identical to the export at position 5 from random states."""
+    model = get_model(_config_path(tmp_path, model_type)).model
+    ep, _ = export_decode(model, 16)
+    raised = raise_graph(ep, "decode")
+    assert raised.unraised == []
+    ssm = [n for n in raised.gm.graph.nodes if n.target == nhil.ssm_state_update.default]
+    assert len(ssm) == (2 if model_type == "falcon_h1" else 1) and all(n.args[8:12] == (8, 16, 1, 16) for n in ssm)
+    assert raised.counts["nhil::attention_kv"] >= 1
+    g = torch.Generator().manual_seed(14)
+    caches = {n: torch.randn(raised.gm.get_buffer(n).shape, generator=g) * 0.5 for n in raised.cache_names}
+    check_raised_exact(ep, raised, (torch.tensor([[9]]), torch.tensor([5])), caches)
+
+
+def test_bamba_decode_export_uses_the_cache_position_for_rope():
+    """Bamba's model numbers positions from 0 in every call when given no ``position_ids``; the exported decode step
+    gets them from ``cache_position`` as generate() does: 8 steps equal the eager model stepped with position_ids
+    ``[[p]]`` (its own DynamicCache) to float rounding, and differ from the eager model stepped at position 0."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("bamba")).eval()
+    em = export_decode(model, 16)[0].module()
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    diffs = []
+    with torch.no_grad():
+        got = torch.cat([em(input_ids=ids[:, p : p + 1], cache_position=torch.tensor([p]))[0] for p in range(8)])
+        for zero in (False, True):
+            cache = transformers.DynamicCache(config=model.config)
+            want = torch.cat([model(input_ids=ids[:, p : p + 1], cache=cache, use_cache=True, position_ids=torch.tensor([[0 if zero else p]])).logits[0]
+                              for p in range(8)])
+            diffs.append((got - want).abs().max().item())
+    assert diffs[0] < 1e-6 < 1e-4 < diffs[1], diffs

@@ -20,10 +20,12 @@ raised graph is checked bit-exact against the export like every other region.
 
 Sources: transformers 5.24 ``models/mamba2/modeling_mamba2.py`` (``Mamba2Mixer.forward``
 recurrent form, ``causal_conv1d_update``, ``mamba2_selective_state_update``,
-``MambaRMSNormGated``).
+``MambaRMSNormGated``); ``models/falcon_h1/modeling_falcon_h1.py`` (``FalconH1Mixer``:
+``mup_vector``, the gate inside the update when ``mamba_rms_norm`` is off).
 
-Hook: ``RECURRENT_HANDLERS`` is merged into ``raise_handlers.HANDLERS`` (keys: module
-classes whose regions hold these patterns).
+Hook: ``RECURRENT_HANDLERS`` (with ``raise_delta.DELTA_HANDLERS``) is offered by
+``raise_handlers.PATTERNS``; the keys only name the handlers. Gated DeltaNet layers:
+``nhil/compiler/raise_delta.py``.
 """
 
 from __future__ import annotations
