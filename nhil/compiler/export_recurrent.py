@@ -77,6 +77,9 @@ class TorchExportableModuleWithRecurrentCache(torch.nn.Module):
         except Exception as e:  # noqa: BLE001 - the eager model itself fails on one token
             raise CompileError(f"the recurrent-state cache probe (one eager step of {type(model).__name__}) failed: {type(e).__name__}: {e}") from e
         self.static_cache = cache
+        # positions as generate() gives them (cache_position): a model that, without position_ids, counts positions
+        # from 0 in every call (Bamba's ``arange(seq_len)``) would otherwise see position 0 at every decode step
+        self.positions_from_cache = _counts_from_zero(model)
         self.attention_layers: list[int] = []
         for i, layer in enumerate(cache.layers):
             if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -97,7 +100,29 @@ class TorchExportableModuleWithRecurrentCache(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         for i in self.attention_layers:
             self.static_cache.layers[i].cumulative_length.copy_(cache_position[0])
-        return self.model(input_ids=input_ids, attention_mask=None, cache=self.static_cache, use_cache=True).logits
+        kw = {"position_ids": cache_position.unsqueeze(0)} if self.positions_from_cache else {}
+        return self.model(input_ids=input_ids, attention_mask=None, cache=self.static_cache, use_cache=True, **kw).logits
+
+
+def _counts_from_zero(model: torch.nn.Module) -> bool:
+    """Whether the decoder stack, given no ``position_ids``, numbers the tokens of every call from 0 (it reads no
+    cache length: ``arange(seq_len)``), so that a decode step must be handed its position. Read from the source of
+    the base model's ``forward`` (``position_ids = torch.arange(...)`` without ``get_seq_length`` /
+    ``cache_position``); a model whose forward takes no ``position_ids`` (Mamba-2) needs none."""
+    import inspect
+
+    base = getattr(model, "model", None) or getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    try:
+        if "position_ids" not in inspect.signature(base.forward).parameters:
+            return False
+        src = inspect.getsource(type(base).forward)
+    except (TypeError, OSError, ValueError):
+        return False
+    at = src.find("if position_ids is None")
+    if at < 0:
+        return False
+    block = src[at: at + 400]
+    return "arange" in block and not any(k in block for k in ("get_seq_length", "cache_position", "past_seen"))
 
 
 def export_recurrent_decode(model: torch.nn.Module, max_cache_len: int, example: tuple[torch.Tensor, torch.Tensor]) -> torch.export.ExportedProgram:

@@ -27,7 +27,8 @@ def _recurrent() -> dict:
     """The recurrent-layer patterns (``raise_recurrent``), each offered only to programs that keep a
     recurrent state (``conv_state_<i>`` / ``ssm_state_<i>`` buffers): their pieces are short and
     would otherwise claim look-alike regions of other models (a MoE block's head reshape)."""
-    from nhil.compiler.raise_recurrent import RECURRENT_HANDLERS  # state-space / linear-attention layers
+    from nhil.compiler.raise_delta import DELTA_HANDLERS  # gated DeltaNet (linear attention)
+    from nhil.compiler.raise_recurrent import RECURRENT_HANDLERS  # state-space / short-conv layers
 
     def guarded(h):
         def run(ctx: Ctx) -> None:
@@ -37,7 +38,7 @@ def _recurrent() -> dict:
 
         return run
 
-    return {k: guarded(h) for k, h in RECURRENT_HANDLERS.items()}
+    return {k: guarded(h) for k, h in {**RECURRENT_HANDLERS, **DELTA_HANDLERS}.items()}
 
 
 RECURRENT = _recurrent()

@@ -20,10 +20,12 @@ raised graph is checked bit-exact against the export like every other region.
 
 Sources: transformers 5.24 ``models/mamba2/modeling_mamba2.py`` (``Mamba2Mixer.forward``
 recurrent form, ``causal_conv1d_update``, ``mamba2_selective_state_update``,
-``MambaRMSNormGated``).
+``MambaRMSNormGated``); ``models/falcon_h1/modeling_falcon_h1.py`` (``FalconH1Mixer``:
+``mup_vector``, the gate inside the update when ``mamba_rms_norm`` is off).
 
-Hook: ``RECURRENT_HANDLERS`` is merged into ``raise_handlers.HANDLERS`` (keys: module
-classes whose regions hold these patterns).
+Hook: ``RECURRENT_HANDLERS`` (with ``raise_delta.DELTA_HANDLERS``) is offered by
+``raise_handlers.PATTERNS``; the keys only name the handlers. Gated DeltaNet layers:
+``nhil/compiler/raise_delta.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from nhil.compiler.raise_ctx import INT64_MAX, Ctx, aten, nhil
 from nhil.compiler.raise_match import Mismatch, V, match_any
-from nhil.compiler.raising import Marker, _val
+from nhil.compiler.raising import _val
 
 MAMBA2_SPLIT = [
     ("exp", aten.exp.default, (V("A_log"),), None),
@@ -122,6 +124,22 @@ SSM_SCALAR_DECAY = [
 
 MAMBA2_MIXER_DECODE = MAMBA2_SPLIT + CONV_UPDATE + SSM_SCALAR_DECAY
 
+
+def _gated_in_mixer(ssm: list) -> list:
+    """:data:`SSM_SCALAR_DECAY` with the output gate applied inside the mixer, ``y * silu(gate)`` per head (the
+    ``z=gate.view(B, H, hd)`` of ``mamba2_selective_state_update`` when the mixer has no gated RMSNorm: Falcon-H1's
+    ``mamba_rms_norm=False``); the head view of the gate is taken after the ``dt_bias`` expand."""
+    at = next(i for i, st in enumerate(ssm) if st[0] == "be") + 1
+    return (ssm[:at] + [("gv", aten.view.default, (V("gate"), [1, V("H"), V("hd")]), None)] + ssm[at:-1]
+            + [("sg", aten.silu.default, (V("gv"),), None), ("gy", aten.mul.Tensor, (V("y"), V("sg")), None),
+               ("out", aten.view.default, (V("gy"), [1, 1, V("I")]), None)])
+
+
+# Falcon-H1: in_proj's output times the muP multipliers (``mup_vector`` buffer) before the split; gate inside
+MAMBA2_MIXER_MUP_GATED = ([("mup", aten.mul.Tensor, (V("proj"), V("mup_vector")), None)] + MAMBA2_SPLIT[:2]
+                          + [(n, t, (V("mup"),) + a[1:] if n == "split" else a, k) for n, t, a, k in MAMBA2_SPLIT[2:]]
+                          + CONV_UPDATE + _gated_in_mixer(SSM_SCALAR_DECAY))
+
 GATED_RMS_NORM = [
     ("sg", aten.silu.default, (V("gate"),), None),
     ("m", aten.mul.Tensor, (V("x"), V("sg")), None),
@@ -135,70 +153,6 @@ GATED_RMS_NORM = [
     ("out", aten.mul.Tensor, (V("w"), V("flat")), None),
 ]
 
-
-def _l2norm(x: str, p: str) -> list:
-    return [(f"{p}sq", aten.mul.Tensor, (V(x), V(x)), None), (f"{p}sum", aten.sum.dim_IntList, (V(f"{p}sq"), [-1], True), None),
-            (f"{p}eps", aten.add.Tensor, (V(f"{p}sum"), 1e-6), None), (f"{p}rs", aten.rsqrt.default, (V(f"{p}eps"),), None),
-            (f"{p}n", aten.mul.Tensor, (V(x), V(f"{p}rs")), None)]
-
-
-def gated_delta_decode(neg_eigval: bool, grouped: bool) -> list:
-    """Gated DeltaNet decode region (OLMo-hybrid ``OlmoHybridGatedDeltaNet``): ``cat(q, k, v)`` -> :data:`CONV_UPDATE`
-    -> head views -> beta / decay gates -> ``torch_recurrent_gated_delta_rule`` (one token). ``neg_eigval``: beta * 2;
-    ``grouped``: key heads ``repeat_interleave``d to the value heads."""
-    qk = ("qv", "kv") if not grouped else ("qr", "kr")
-    return (
-        [("xbc", aten.cat.default, ([V("ql"), V("kl"), V("vl")], -1), None)]
-        + CONV_UPDATE
-        + [("split2", aten.split_with_sizes.default, (V("cout"), [V("KD"), V("KD"), V("VD")], -1), None),
-           ("qs", operator.getitem, (V("split2"), 0), None), ("ks", operator.getitem, (V("split2"), 1), None),
-           ("vs", operator.getitem, (V("split2"), 2), None),
-           ("qv", aten.view.default, (V("qs"), [1, 1, -1, V("dk")]), None), ("kv", aten.view.default, (V("ks"), [1, 1, -1, V("dk")]), None),
-           ("vv", aten.view.default, (V("vs"), [1, 1, -1, V("dv")]), None),
-           ("sig", aten.sigmoid.default, (V("bl"),), None)]
-        + ([("beta", aten.mul.Tensor, (V("sig"), 2.0), None)] if neg_eigval else [])
-        + [("aexp", aten.exp.default, (V("A_log"),), None), ("aneg", aten.neg.default, (V("aexp"),), None),
-           ("adt", aten.add.Tensor, (V("al"), V("dt_bias")), None), ("sp", aten.softplus.default, (V("adt"),), None),
-           ("g", aten.mul.Tensor, (V("aneg"), V("sp")), None)]
-        + ([("qr", aten.repeat_interleave.self_int, (V("qv"), V("rep"), 2), None),
-            ("kr", aten.repeat_interleave.self_int, (V("kv"), V("rep"), 2), None)] if grouped else [])
-        + [("tq", aten.transpose.int, (V(qk[0]), 1, 2), None), ("tk", aten.transpose.int, (V(qk[1]), 1, 2), None),
-           ("tv", aten.transpose.int, (V("vv"), 1, 2), None),
-           ("tb", aten.transpose.int, (V("beta" if neg_eigval else "sig"), 1, 2), None), ("tg", aten.transpose.int, (V("g"), 1, 2), None)]
-        + _l2norm("tq", "q") + _l2norm("tk", "k")
-        + [("qd", aten.div.Tensor, (V("qn"), V("qscale")), None),
-           ("zeros", aten.zeros_like.default, (V("tv"),), {"pin_memory": False}),
-           ("q_t", aten.select.int, (V("qd"), 2, 0), None), ("k_t", aten.select.int, (V("kn"), 2, 0), None),
-           ("v_t", aten.select.int, (V("tv"), 2, 0), None), ("g_t", aten.select.int, (V("tg"), 2, 0), None),
-           ("dec", aten.exp.default, (V("g_t"),), None), ("d1", aten.unsqueeze.default, (V("dec"), 2), None),
-           ("d2", aten.unsqueeze.default, (V("d1"), 3), None), ("sdec", aten.mul.Tensor, (V("state"), V("d2")), None),
-           ("b_t", aten.select.int, (V("tb"), 2, 0), None), ("bu", aten.unsqueeze.default, (V("b_t"), -1), None),
-           ("ku", aten.unsqueeze.default, (V("k_t"), -1), None), ("skm", aten.mul.Tensor, (V("sdec"), V("ku")), None),
-           ("kvm", aten.sum.dim_IntList, (V("skm"), [-2]), None), ("dif", aten.sub.Tensor, (V("v_t"), V("kvm")), None),
-           ("delta", aten.mul.Tensor, (V("dif"), V("bu")), None), ("ku2", aten.unsqueeze.default, (V("k_t"), -1), None),
-           ("du", aten.unsqueeze.default, (V("delta"), -2), None), ("kd", aten.mul.Tensor, (V("ku2"), V("du")), None),
-           ("snew", aten.add.Tensor, (V("sdec"), V("kd")), None), ("qu", aten.unsqueeze.default, (V("q_t"), -1), None),
-           ("sq", aten.mul.Tensor, (V("snew"), V("qu")), None), ("o", aten.sum.dim_IntList, (V("sq"), [-2]), None),
-           ("osel", aten.select.int, (V("zeros"), 2, 0), None), ("ocopy", aten.copy_.default, (V("osel"), V("o")), None),
-           ("ot", aten.transpose.int, (V("zeros"), 1, 2), None), ("scopy", aten.copy_.default, (V("state"), V("snew")), None),
-           ("out", aten.reshape.default, (V("ot"), [-1, V("dv")]), None)]
-    )
-
-
-GATED_DELTA_DECODE = [gated_delta_decode(n, g) for n in (True, False) for g in (True, False)]
-
-HEADS_RESHAPE = [("out", aten.reshape.default, (V("x"), V("shape")), None)]
-
-NORM_BEFORE_GATE = [
-    ("pow", aten.pow.Tensor_Scalar, (V("x"), 2), None),
-    ("mean", aten.mean.dim, (V("pow"), [-1], True), None),
-    ("add", aten.add.Tensor, (V("mean"), V("eps")), None),
-    ("rsqrt", aten.rsqrt.default, (V("add"),), None),
-    ("mul", aten.mul.Tensor, (V("x"), V("rsqrt")), None),
-    ("wmul", aten.mul.Tensor, (V("w"), V("mul")), None),
-    ("sg", aten.silu.default, (V("gate"),), None),
-    ("out", aten.mul.Tensor, (V("wmul"), V("sg")), None),
-]
 
 
 def _shape(ctx: Ctx, node, what: str) -> tuple:
@@ -231,16 +185,26 @@ def h_mamba2_mixer(ctx: Ctx) -> None:
     """Mamba-2 mixer decode region -> narrow x3, ``causal_conv1d_update``, narrow x3, ``ssm_state_update``.
 
     The in_proj output ``zxbcdt`` is split into the gate (consumed by the gated norm's
-    region), the conv input ``xBC`` and ``dt``; the conv output into x, B, C.
+    region, or inside the mixer: ``silu_mul(gate, y)``), the conv input ``xBC`` and ``dt``;
+    the conv output into x, B, C. Falcon-H1's muP multiply of the in_proj output by its
+    ``mup_vector`` buffer is host ATen (an elementwise product with a constant vector).
     """
-    b = ctx.match([MAMBA2_MIXER_DECODE])
+    i, b = match_any([MAMBA2_MIXER_DECODE, MAMBA2_MIXER_MUP_GATED], ctx.nodes, ctx.r.canon)
     I, CD, H, hd, G, N, GN, HG = (b[k] for k in ("I", "CD", "H", "hd", "G", "N", "GN", "HG"))
     ss = _shape(ctx, b["state"], "SSM state")
     if not (all(isinstance(v, int) for v in (I, CD, H, hd, G, N, GN, HG)) and H * hd == I and G * N == GN and CD == I + 2 * GN
             and HG * G == H and ss == (1, H, hd, N)
             and all(_shape(ctx, b[p], p) == (H,) for p in ("A_log", "D", "dt_bias"))):
         raise Mismatch(ctx.nodes[0], f"Mamba-2 shapes do not fit: inner {I}, conv channels {CD}, heads {H} x {hd}, groups {G} x state {N}, state buffer {ss}")
-    z = ctx.tensor(b["zxbcdt"])
+    if i == 1:
+        ms = _shape(ctx, b["mup_vector"], "muP vector")
+        if not (ms and ms[-1] == I + CD + H and all(d == 1 for d in ms[:-1]) and ctx.r.canon(b["mup_vector"]).op == "placeholder"):
+            raise Mismatch(ctx.nodes[0], f"muP multiplier of shape {ms} is not a constant per in_proj output ({I + CD + H})")
+        from nhil.compiler.host_aten import emit_host
+
+        z = emit_host(ctx, [b["mup"]])[b["mup"]]
+    else:
+        z = ctx.tensor(b["zxbcdt"])
     gate = ctx.emit(nhil.narrow.default, z, 0, I)
     xbc = ctx.emit(nhil.narrow.default, z, I, CD)
     dt = ctx.emit(nhil.narrow.default, z, I + CD, H)
@@ -250,6 +214,9 @@ def h_mamba2_mixer(ctx: Ctx) -> None:
     cs = ctx.emit(nhil.narrow.default, conv, I + GN, GN)
     y = ctx.emit(nhil.ssm_state_update.default, xs, dt, ctx.param(b["A_log"]), bs, cs, ctx.param(b["D"]), ctx.param(b["dt_bias"]),
                  _state(ctx, b["state"]), H, hd, G, N)
+    if i == 1:
+        ctx.set(b["out"], ctx.emit(nhil.silu_mul.default, gate, y))  # y * silu(gate): the same products, commuted
+        return
     ctx.set(b["gate"], gate)
     ctx.set(b["out"], y)
 
@@ -282,51 +249,6 @@ def h_inline_swiglu(ctx: Ctx) -> None:
     ctx.set(b["out"], ctx.emit(nhil.silu_mul.default, ctx.tensor(b["g"]), ctx.tensor(b["u"])))
 
 
-def h_gated_delta_net(ctx: Ctx) -> None:
-    """Gated DeltaNet decode region -> ``concat``, ``causal_conv1d_update``, narrow x3, ``gated_delta_rule``; its
-    per-head reshapes (``[-1, dv]`` of the output and of the ``g_proj`` gate, back to ``[1, 1, -1]`` after the norm)
-    become Marker('dn_heads', (flat value, dv)) and back."""
-    if len(ctx.nodes) == 1:
-        b = ctx.match([HEADS_RESHAPE])
-        xv, shape = ctx.value(b["x"]), list(b["shape"])
-        if isinstance(xv, Marker) and xv.kind == "dn_heads" and shape == [1, 1, -1]:
-            ctx.set(b["out"], xv.data[0])
-            return
-        if isinstance(xv, torch.fx.Node) and len(shape) == 2 and shape[0] == -1 and _shape(ctx, b["x"], "gate")[:2] == (1, 1):
-            ctx.set(b["out"], Marker("dn_heads", (xv, shape[1])))
-            return
-        raise Mismatch(ctx.nodes[0], f"a reshape to {shape} that is not a per-head view of a gated DeltaNet")
-    i, b = match_any(GATED_DELTA_DECODE, ctx.nodes, ctx.r.canon)
-    neg_eigval, grouped = i < 2, i % 2 == 0
-    KD, VD, dk, dv = b["KD"], b["VD"], b["dk"], b["dv"]
-    ss = _shape(ctx, b["state"], "recurrent state")
-    hk, hv = (KD // dk, VD // dv) if isinstance(dk, int) and isinstance(dv, int) and dk and dv else (0, 0)
-    rep = b.get("rep", 1)
-    if not (hk * dk == KD and hv * dv == VD and hk * rep == hv and ss == (1, hv, dk, dv) and b["qscale"] == dk ** 0.5
-            and _shape(ctx, b["A_log"], "A_log") == (hv,) and _shape(ctx, b["dt_bias"], "dt_bias") == (hv,)
-            and b["CD"] == 2 * KD + VD):
-        raise Mismatch(ctx.nodes[0], f"gated DeltaNet shapes do not fit: q/k {KD} = {hk} x {dk}, v {VD} = {hv} x {dv}, repeat {rep}, "
-                                     f"state {ss}, query scale {b['qscale']}")
-    qkv = ctx.emit(nhil.concat.default, [ctx.tensor(b["ql"]), ctx.tensor(b["kl"]), ctx.tensor(b["vl"])])
-    conv = conv_update(ctx, b, qkv)
-    q, k, v = (ctx.emit(nhil.narrow.default, conv, s, n) for s, n in ((0, KD), (KD, KD), (2 * KD, VD)))
-    o = ctx.emit(nhil.gated_delta_rule.default, q, k, v, ctx.tensor(b["al"]), ctx.tensor(b["bl"]), ctx.param(b["A_log"]), ctx.param(b["dt_bias"]),
-                 _state(ctx, b["state"]), hk, hv, dk, dv, 2.0 if neg_eigval else 1.0)
-    ctx.set(b["out"], Marker("dn_heads", (o, dv)))
-
-
-def h_norm_before_gate(ctx: Ctx) -> None:
-    """Gated DeltaNet output norm ``w * rmsnorm(x) * silu(gate)`` over per-head views -> ``rms_norm_gated(norm_before_gate=True)``."""
-    b = ctx.match([NORM_BEFORE_GATE])
-    xv, gv = ctx.value(b["x"]), ctx.value(b["gate"])
-    if not (isinstance(xv, Marker) and xv.kind == "dn_heads" and isinstance(gv, Marker) and gv.kind == "dn_heads"
-            and xv.data[1] == gv.data[1] and isinstance(b["eps"], float) and _shape(ctx, b["w"], "norm weight") == (xv.data[1],)):
-        raise Mismatch(ctx.nodes[0], "a norm-before-gate RMSNorm whose inputs are not per-head views of one width")
-    dv = xv.data[1]
-    y = ctx.emit(nhil.rms_norm_gated.default, xv.data[0], gv.data[0], ctx.param(b["w"]), b["eps"], dv, True)
-    ctx.set(b["out"], Marker("dn_heads", (y, dv)))
-
-
 def _residual(ctx: Ctx) -> None:
     from nhil.compiler.raise_handlers import h_residual  # raise_patterns imports this module
 
@@ -347,7 +269,5 @@ RECURRENT_HANDLERS = {
     "Mamba2Block": _residual,
     "Lfm2ShortConv": h_gated_short_conv,
     "Lfm2MLP": h_inline_swiglu,
-    "OlmoHybridGatedDeltaNet": h_gated_delta_net,
-    "OlmoHybridRMSNormGated": h_norm_before_gate,
 }
 

@@ -64,13 +64,93 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _first_two_kinds(types) -> list[int]:
-    """Indices of the two layers a 2-layer tiny model keeps: the first layer, then the first layer of another kind
-    if there is one (a hybrid's ``["linear_attention"] * 3 + ["full_attention"]`` pattern stays hybrid, as its config
-    validators demand), else the first two."""
+def _cache_kind(kind) -> str:
+    """``"attention"`` / ``"state"`` / ``"unknown"``: what a layer type keeps in transformers' cache
+    (``DYNAMIC_LAYER_TYPE_MAPPING``): keys and values (a ``DynamicLayer``: full / sliding / chunked attention, and
+    hybrids' ``hybrid`` layers), or only a recurrent state or nothing (linear attention, conv, ``moe`` / ``mlp``
+    dummies); legacy names (``mamba``, ``attention``) are remapped first."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer
+    from transformers.configuration_utils import remap_legacy_layer_types
+
+    if not isinstance(kind, str):
+        return "unknown"
+    kind = remap_legacy_layer_types([kind])[0]
+    cls = DYNAMIC_LAYER_TYPE_MAPPING.get("dummy" if kind in ("moe", "mlp") else kind)
+    return "unknown" if cls is None else "attention" if issubclass(cls, DynamicLayer) else "state"
+
+
+def _holds_attention(kind) -> bool:
+    return _cache_kind(kind) == "attention"
+
+
+def _kept_layers(types) -> list[int]:
+    """The two layers a 2-layer tiny model keeps, as indices into ``types``: the first layer, then the first layer
+    that holds attention when the first does not (a hybrid's cache needs one attention layer: transformers'
+    ``get_seq_length`` reads it, and Nemotron-H's ``[mamba, moe, attention, mlp]`` or Zamba2's
+    ``[mamba] * 6 + [hybrid]`` stay hybrid), else the first layer of another kind (the config validators of
+    ``["linear_attention"] * 3 + ["full_attention"]`` patterns demand both), else the first two."""
     types = list(types)
+    if _cache_kind(types[0]) == "state":
+        attn = next((i for i, t in enumerate(types) if _holds_attention(t)), None)
+        if attn is not None:
+            return [0, attn]
     other = next((i for i, t in enumerate(types) if t != types[0]), None)
     return [0, other] if other is not None else [0, 1]
+
+
+def _ensure_attention_layer(cfg) -> None:
+    """A recurrent stack whose 2 kept layers hold no attention (Bamba's ``attn_layer_indices=None``, Granite-hybrid's
+    all-Mamba default ``layer_types``, Jamba-style ``attn_layer_period`` / ``offset`` past layer 2): make the last
+    layer an attention layer through the field that describes it, kept only when ``cfg.layer_types`` then shows one."""
+    types = getattr(cfg, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or not types or any(_cache_kind(t) != "state" for t in types):
+        return
+    last = len(types) - 1
+    key = getattr(cfg, "attribute_map", {}).get("layer_types", "layer_types")
+    tries = []
+    if isinstance(vars(cfg).get(key), (list, tuple)):
+        tries.append({key: [*types[:-1], "full_attention"]})
+    for k, v in vars(cfg).items():
+        if ("attn" in k or "attention" in k) and "layer" in k and k.endswith(("_indices", "_ids")) and (v is None or isinstance(v, (list, tuple))):
+            tries.append({k: [last]})
+    if _is_num(getattr(cfg, "attn_layer_period", None)) and _is_num(getattr(cfg, "attn_layer_offset", None)):
+        tries.append({"attn_layer_period": len(types), "attn_layer_offset": last})
+    for fields in tries:
+        before = {k: getattr(cfg, k) for k in fields}
+        for k, v in fields.items():
+            _set(cfg, k, v)
+        if any(_holds_attention(t) for t in (getattr(cfg, "layer_types", None) or [])):
+            return
+        for k, v in before.items():
+            _set(cfg, k, v)
+
+
+def _rederive(cfg, stale: dict) -> None:
+    """Recompute the attributes a config class derives in ``__post_init__`` (not declared fields: Zamba2's
+    ``attention_hidden_size = 2 * hidden_size``, ``mamba_headdim``, ``num_query_groups``, ``hybrid_layer_ids``) from
+    the shrunk fields, by building the class again from its declared fields; declared fields keep the shrunk values,
+    and only an attribute still at the value derived for the default shape (``stale``) is replaced. Applied to stacks
+    with recurrent layers (whose mixers derive their widths); a class that cannot be rebuilt keeps its attributes."""
+    import dataclasses
+
+    types = getattr(cfg, "layer_types", None)
+    if not dataclasses.is_dataclass(cfg) or not isinstance(types, (list, tuple)) or not any(_cache_kind(t) == "state" for t in types):
+        return  # hybrid stacks only for now: MLA configs' stale qk_head_dim would change rows that pass
+    fields = {f.name for f in dataclasses.fields(cfg) if f.init}
+    try:
+        fresh = type(cfg)(**{k: v for k, v in vars(cfg).items() if k in fields})
+    except Exception:  # noqa: BLE001 - not rebuildable from its own fields
+        return
+    for k, v in vars(fresh).items():
+        # only a stale value (still what the class derived for its default shape) is replaced
+        if k not in fields and not k.startswith("_") and k in vars(cfg) and v != vars(cfg)[k] and vars(cfg)[k] == stale.get(k):
+            _set(cfg, k, v)
+
+
+def _layer_indices(v, n: int) -> bool:
+    """``v`` is a non-empty strictly increasing list of layer indices below ``n`` (not a per-layer list of flags)."""
+    return (isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            and all(0 <= a < b < n for a, b in zip(v, v[1:])) and 0 <= v[0] < n)
 
 
 def _set(cfg, key, val) -> bool:
@@ -87,6 +167,7 @@ def _shrink(cfg) -> tuple[dict, list[int] | None]:
     from nhil.golden.decoder_stack import num_layers_of
 
     old_layers = num_layers_of(cfg)
+    defaults = dict(vars(cfg))
     before: dict = {}
     for key, val in SHRINK.items():
         try:
@@ -112,12 +193,20 @@ def _shrink(cfg) -> tuple[dict, list[int] | None]:
         _set(cfg, "num_hidden_layers", len(parts))
     kept = keep
     if old_layers and old_layers != 2:
+        types_key = getattr(cfg, "attribute_map", {}).get("layer_types", "layer_types")
+        types = vars(cfg).get(types_key)
+        if keep is None and isinstance(types, (list, tuple)) and len(types) == old_layers:
+            keep = _kept_layers(types)
+        keep = kept = keep or [0, 1]
         for key, v in list(vars(cfg).items()):
-            if isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
-                idx = keep or (_first_two_kinds(v) if key == "layer_types" else [0, 1])
-                if key == "layer_types":
-                    kept = idx
-                setattr(cfg, key, type(v)([v[i] for i in idx]))
+            if "layer" in key and _layer_indices(v, old_layers):
+                # layer indices (Zamba2's hybrid_layer_ids, Bamba's attn_layer_indices, Llama-4's moe_layers)
+                # renumbered into the kept layers
+                setattr(cfg, key, type(v)(keep.index(i) for i in v if i in keep))
+            elif isinstance(v, (list, tuple)) and len(v) == old_layers and key != "architectures":
+                setattr(cfg, key, type(v)(v[i] for i in keep))
+    _ensure_attention_layer(cfg)
+    _rederive(cfg, defaults)
     if _is_num(getattr(cfg, "kv_lora_rank", None)) and _is_num(getattr(cfg, "qk_rope_head_dim", None)):
         # MLA: the rotary tables are qk_rope_head_dim wide (head_dim names them) and every head has its own KV
         for key, val in (("head_dim", cfg.qk_rope_head_dim), ("num_key_value_heads", getattr(cfg, "num_attention_heads", 4))):
