@@ -400,21 +400,21 @@ def test_board_reset_mid_run_is_link_fail(sim_result, reset_after):
 
 def test_emulator_keeps_serving_bad_frames_over_the_pty():
     with FpgaTarget(device="fpga-small") as t:
-        t.ser.write(bytes([END]) + os.urandom(3000) + bytes([END]))
-        t.ser.write(encode_frame(P.WRITE_MEM, 0, 500, t.board_nonce, b"\0" * (t.max_payload + 64)))
-        t.ser.write(encode_frame(0x5A, 0, 501, t.board_nonce, b""))
-        t.ser.write(encode_frame(P.WRITE_MEM, 0, 502, t.board_nonce, P.pack_write_mem(DEV.rows, 0, b"\0\0")))
+        t.session.transport.write(bytes([END]) + os.urandom(3000) + bytes([END]))
+        t.session.transport.write(encode_frame(P.WRITE_MEM, 0, 500, t.session.board_nonce, b"\0" * (t.session.max_payload + 64)))
+        t.session.transport.write(encode_frame(0x5A, 0, 501, t.session.board_nonce, b""))
+        t.session.transport.write(encode_frame(P.WRITE_MEM, 0, 502, t.session.board_nonce, P.pack_write_mem(DEV.rows, 0, b"\0\0")))
         seen = {}
         deadline = time.monotonic() + 5
         while not (501 in seen and 502 in seen) and time.monotonic() < deadline:
-            ev = t._recv(deadline)
+            ev = t.session.recv(deadline)
             if isinstance(ev, Frame):
                 code = P.unpack_error(ev.payload)[0] if ev.type in (P.ERROR, P.NAK) else None
                 seen[ev.seq if ev.type == P.ERROR else ("nak", code)] = (ev.type, code)
         assert seen.get(501) == (P.ERROR, P.E_UNKNOWN_TYPE)
         assert seen.get(502) == (P.ERROR, P.E_ADDRESS)
         assert ("nak", P.E_OVERSIZE) in seen
-        t._seq = 502  # seq 502 was executed (refused with E_ADDRESS): within a session seqs only move forward (section 3)
+        t.session.seq = 502  # seq 502 was executed (refused with E_ADDRESS): within a session seqs only move forward (section 3)
         with pytest.raises(RunError, match="row 1024 >= 1024"):
             t.write_row(0, 0, DEV.rows, np.zeros(DEV.cols, np.uint16))
         t.write_row(1, 2, 3, np.full(DEV.cols, 7, np.uint16))
@@ -482,12 +482,12 @@ def test_link_benchmark_small():
 
 
 def test_a_stage_timeout_inside_a_serial_read_stays_a_timeout_not_a_link_failure():
-    """verify's SIGALRM stage timeout can land inside pyserial's read: the driver must let it
-    through (outcome TIMEOUT), while a real serial error still becomes a LinkError."""
-    import collections
-
+    """verify's SIGALRM stage timeout can land inside pyserial's read: the transport must let it
+    through (outcome TIMEOUT), while a real serial error still becomes a LinkError (TransportError)."""
     from nhil.errors import LinkError
-    from nhil.targets.fpga.driver import FpgaTarget
+    from nhil.targets.fpga.errors import TransportError
+    from nhil.targets.fpga.session import Session
+    from nhil.targets.fpga.transport import SerialTransport
     from nhil.verify import StageTimeout
 
     class Port:
@@ -497,14 +497,13 @@ def test_a_stage_timeout_inside_a_serial_read_stays_a_timeout_not_a_link_failure
         def read(self, n):
             raise self.exc
 
-    t = object.__new__(FpgaTarget)  # only the fields _recv touches
-    t._q, t._fd, t.url, t.link = collections.deque(), None, "loop://", collections.Counter()
-    t.ser = Port(StageTimeout("stage load_target exceeded its timeout of 1800 s"))
+    s = Session(SerialTransport(Port(StageTimeout("stage load_target exceeded its timeout of 1800 s")), "loop://"))
     with pytest.raises(StageTimeout):
-        t._recv(time.monotonic() + 5)
-    t.ser = Port(OSError(5, "Input/output error"))
-    with pytest.raises(LinkError, match="read from loop:// failed"):
-        t._recv(time.monotonic() + 5)
+        s.recv(time.monotonic() + 5)
+    s = Session(SerialTransport(Port(OSError(5, "Input/output error")), "loop://"))
+    with pytest.raises(TransportError, match="read from loop:// failed") as e:
+        s.recv(time.monotonic() + 5)
+    assert isinstance(e.value, LinkError) and e.value.outcome == "LINK_FAIL"
 
 
 # ---------------------------------------------------------------- warm reload (RESET_KEEP_ROWS + MEM_CRC)

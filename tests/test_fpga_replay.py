@@ -166,24 +166,24 @@ def test_replays_on_the_line_leave_the_run_bit_identical_and_are_counted():
     with FpgaTarget(device="fpga-small", progress=False) as t:
         sent: dict[int, bytes] = {}
         replayed = []
-        real_write = t._write
+        real_write = t.session.transport.write
         dec = Deframer(1 << 24)
 
-        def write(data: bytes, payload_bytes: int) -> None:
+        def write(data: bytes) -> None:
             frames = [e for e in dec.feed(data) if isinstance(e, Frame) and e.type in P.REQUESTS and e.seq]
             for f in frames:
                 if f.seq not in sent:
                     for back in (1, 5, 50):
                         old = f.seq - back
                         if old in sent and f.seq % 7 == 0:  # now and then, replay old requests first
-                            real_write(sent[old], 0)
+                            real_write(sent[old])
                             replayed.append(back)
                     sent[f.seq] = data
-            real_write(data, payload_bytes)
+            real_write(data)
 
-        t._write = write
+        t.session.transport.write = write
         runs = []
-        while t._seq < 80:  # enough requests for replays 50 back; each run starts with a RESET (warm reload)
+        while t.session.seq < 80:  # enough requests for replays 50 back; each run starts with a RESET (warm reload)
             runs.append(_run(prog, t))
         st = t.stats()["link"]
         board = t.status()
