@@ -1,4 +1,4 @@
-"""The FPGA host side in layers (transport / session / target, docs/link-protocol.md section 1), driven
+"""The FPGA host side in layers (transport / session / target, docs/link-protocol.md section 0), driven
 over the in-memory transport pair: the board emulator answers inside the host's write, with no
 pty, socket or thread. The reference is the functional simulator (bit for bit), the bytes the
 host asked for, and the protocol's guarantees (delivered exactly once, bit-exact), never
@@ -183,17 +183,21 @@ def test_a_silent_line_is_a_link_timeout_naming_the_port():
         _session(open_timeout=0.3).open(host)
 
 
-def test_a_board_of_another_protocol_version_is_a_version_mismatch():
+@pytest.mark.parametrize("answer", ["reply", "error"])
+def test_a_board_of_another_protocol_version_is_a_version_mismatch(answer):
+    """An older board answering HELLO with its own version, or refusing ours with E_VERSION."""
     host, dev = memory_pair()
     rx = Deframer()
+    old = P.PROTOCOL_VERSION - 1
 
     def old_board(data, send):
         for f in rx.feed(data):
             if isinstance(f, Frame) and f.type == P.HELLO:
-                send(encode_frame(P.HELLO_REPLY, 0, 0, 7, P._HELLO_R.pack(P.PROTOCOL_VERSION - 1, P.ISA_VERSION, 7, 4096, 4096)))
+                send(encode_frame(P.HELLO_REPLY, 0, 0, 7, P._HELLO_R.pack(old, P.ISA_VERSION, 7, 4096, 4096)) if answer == "reply" else
+                     encode_frame(P.ERROR, 0, 0, 7, P.pack_error(P.E_VERSION, f"board speaks protocol v{old}")))
 
     dev.serve(old_board)
-    with pytest.raises(E.VersionMismatch, match=f"speaks link protocol v{P.PROTOCOL_VERSION - 1}"):
+    with pytest.raises(E.VersionMismatch, match=f"speaks link protocol v{old}" if answer == "reply" else f"E_VERSION: board speaks protocol v{old}"):
         _session().open(host)
 
 

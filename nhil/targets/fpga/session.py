@@ -91,8 +91,8 @@ class Session:
 
         Raises:
             LinkTimeout: no HELLO reply within ``open_timeout``.
-            VersionMismatch: the board speaks another protocol / ISA version.
-            BoardError, ProtocolViolation: the board refused HELLO, or its reply is malformed.
+            VersionMismatch: the board speaks another protocol / ISA version (its HELLO_REPLY, or E_VERSION).
+            BoardError, ProtocolViolation: the board refused HELLO otherwise, or its reply is malformed.
         """
         self.transport = transport
         host_nonce = int.from_bytes(os.urandom(4), "little")
@@ -117,7 +117,8 @@ class Session:
                     continue
                 if ev.type == P.ERROR:
                     code, msg = P.unpack_error(ev.payload)
-                    raise BoardError(f"board at {self.url} refused HELLO: {P.ERROR_NAMES.get(code, code)}: {msg}", code)
+                    why = f"board at {self.url} refused HELLO: {P.ERROR_NAMES.get(code, code)}: {msg}"
+                    raise VersionMismatch(why) if code == P.E_VERSION else BoardError(why, code)
                 if ev.type != P.HELLO_REPLY:
                     continue
                 try:

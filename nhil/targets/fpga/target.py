@@ -1,6 +1,6 @@
 """``FpgaTarget``, the ``fpga`` execution target: load, reload, execute and rows over a link session.
 
-The host side of the FPGA link is three layers (``docs/link-protocol.md`` section 1):
+The host side of the FPGA link is three layers (``docs/link-protocol.md`` section 0):
 
 * ``transport.py``: the only code that touches a port (pyserial URL, or an in-memory pair);
 * ``session.py`` (with ``bulk.py``): framing, ARQ, timeouts, counters, the replay guard;
