@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from nhil.errors import LinkError, RunError
-from nhil.isa.device import DEVICE_PRESETS
 from nhil.targets.fpga import FpgaTarget
 from nhil.targets.fpga import errors as E
 from nhil.targets.fpga import protocol as P
@@ -22,46 +21,7 @@ from nhil.targets.fpga.session import Session
 from nhil.targets.fpga.transport import Transport, memory_pair
 from nhil.targets.sim import SimTarget
 
-DEV = DEVICE_PRESETS["fpga-small"]
-
-
-def _program(seed=7):
-    """Two GEMVs into a host add: bank images, EXEC blocks with readbacks and SYNCs."""
-    from nhil.compiler.builder import ProgramBuilder
-
-    b = ProgramBuilder(DEV)
-    rng = np.random.default_rng(seed)
-    n_out, n_in = 2 * DEV.slots + 5, 2 * DEV.cols + 24
-    b.buffer("x", n_in)
-    b.buffer("y", n_out)
-    b.buffer("z", n_out)
-    b.host_image("x0", rng.normal(size=n_in).astype(np.float32))
-    b.host("add", ["x0", "x0"], ["x"])
-    b.gemv(b.place_matrix("w1", rng.normal(size=(n_out, n_in)).astype(np.float32)), "x", "y")
-    b.gemv(b.place_matrix("w2", rng.normal(size=(n_out, n_in)).astype(np.float32)), "x", "z")
-    return b.finish({"inputs": {}, "outputs": {"y": "y", "z": "z"}}, {})
-
-
-def _run(prog, target, steps=3, runs=1):
-    """Outputs of ``steps`` decode steps and the SYNC trace of the last of ``runs`` runs (each run
-    after the first resets the same runner: a warm reload)."""
-    from nhil.runtime.executor import Runner
-
-    r = Runner(prog, target)
-    for _ in range(runs):
-        r.reset()
-        outs = [{k: v.copy() for k, v in r.step(s, s).items()} for s in range(steps)]
-    return outs, target.trace()
-
-
-def _assert_identical(a, b):
-    (oa, ta), (ob, tb) = a, b
-    assert len(oa) == len(ob)
-    for x, y in zip(oa, ob):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k].tobytes() == y[k].tobytes(), k
-    assert ta == tb and len(ta) > 0
+from fpga_programs import DEV, assert_identical, program, run  # tests/fpga_programs.py
 
 
 def _board_behind(end, **kw) -> Board:
@@ -120,13 +80,14 @@ def test_memory_pair_carries_bytes_both_ways_and_times_out_empty():
 def test_a_program_over_the_in_memory_pair_is_bit_identical_to_the_simulator():
     """HELLO, INFO, LOAD (fragmented WRITE_MEMs), EXEC groups with readbacks, warm reloads, rows:
     every layer of the host side against the emulator, in one thread."""
-    prog = _program()
-    ref = _run(prog, SimTarget(device=DEV))
+    prog = program()
+    ref = run(prog, SimTarget(device=DEV))
+    assert len(ref[1]) > 0  # the trace compared has SYNC records
     host, dev = memory_pair()
     board = _board_behind(dev)
     with FpgaTarget(transport=host, progress=False) as t:
         assert t.capabilities().device == DEV and t.url == "memory://host"
-        _assert_identical(ref, _run(prog, t, runs=2))  # the second run after a warm reload (RESET_KEEP_ROWS + MEM_CRC)
+        assert_identical(ref, run(prog, t, runs=2))  # the second run after a warm reload (RESET_KEEP_ROWS + MEM_CRC)
         assert t.reloads == {**t.reloads, "full": 1, "warm": 1, "mismatch": 0}
         sim = SimTarget(device=DEV)
         sim.load(prog)
@@ -144,8 +105,8 @@ def test_a_line_that_drops_and_corrupts_bytes_delivers_every_byte_exactly_once()
     with the same seq, the board's reply window, CRC-checked messages) delivers the load exactly
     once (the board's LOAD_END check counts the WRITE_MEMs executed and their CRC) and the run and
     the rows bit-identical to the simulator's."""
-    prog = _program(seed=3)
-    ref = _run(prog, SimTarget(device=DEV))
+    prog = program(seed=3)
+    ref = run(prog, SimTarget(device=DEV))
     host, dev = memory_pair()
     board = _board_behind(dev)
     executed = []  # seq of every request the board executed (messages: once complete)
@@ -155,11 +116,11 @@ def test_a_line_that_drops_and_corrupts_bytes_delivers_every_byte_exactly_once()
     rng = np.random.default_rng(5)
     rows = {r: rng.integers(0, 1 << 16, DEV.cols, dtype=np.uint16) for r in (DEV.rows - 3, DEV.rows - 2)}
     with FpgaTarget(transport=line, progress=False, frame_timeout=0.05) as t:
-        got = _run(prog, t)  # LOAD_END passed: the board executed as many WRITE_MEMs, with the same CRC, as the host sent
+        got = run(prog, t)  # LOAD_END passed: the board executed as many WRITE_MEMs, with the same CRC, as the host sent
         for r, a in rows.items():
             t.write_row(1, 2, r, a)
         back = {r: t.read_row(1, 2, r) for r in rows}
-    _assert_identical(ref, got)
+    assert_identical(ref, got)
     for r, a in rows.items():
         assert back[r].tobytes() == a.tobytes()
     assert len(executed) == len(set(executed)) > 10  # no request executed twice, whatever was retransmitted
