@@ -1,9 +1,10 @@
 """Bulk bursts of short frames (``docs/link-protocol.md`` section 12): the session's way to move many bytes.
 
 On a line that damages 1-3% of its bytes a stop-and-wait frame per fragment spends most of
-the time on headers and replies. :class:`Bulk` moves the inside of a fragmented message up
-(:meth:`Bulk.stream_up`: S_DATA / S_ZERO bursts closed by S_QUERY bitmaps) and a buffered
-reply down (:meth:`Bulk.fetch`: S_FETCH bursts answered by S_REPLY cells and S_DONE); each
+the time on headers and replies. :class:`Bulk` sends a request too large for one frame as a
+message (:meth:`Bulk.send_message`, section 6), whose inside goes up as short frames
+(:meth:`Bulk.stream_up`: S_DATA / S_ZERO bursts closed by S_QUERY bitmaps), and reads a
+buffered reply down (:meth:`Bulk.fetch`: S_FETCH bursts answered by S_REPLY cells and S_DONE); each
 burst ends with S_PINGs (:meth:`Bulk.sburst`), and only the pieces not shown held are sent
 again. The piece size follows the per-byte survival measured on each burst
 (``k = -1 / ln q``, :meth:`Bulk.cell`), so a line that corrupts, drops and duplicates 1% of
@@ -256,11 +257,11 @@ class Bulk:
             stalls = self.after_burst(bool(done), stalls, f"{name}: no piece of [{lo}, {hi}) of {total} got through")
 
     def send_message(self, type_: int, payload: bytes, reply_size: int, name: str) -> Frame:
-        """Send the request ``type_`` with ``payload`` as a message (section 6): MSG_BEGIN (stop-and-wait) with as many first bytes as the fragment budget
-        allows (none once the line is known to be noisy), the rest but the last byte as short frames
-        (:meth:`stream_up`), and the last byte as MSG_DATA / MSG_ZERO (stop-and-wait), whose reply is the inner
-        request's. Every byte before ``pos`` is held by the board and none after it, between the steps. A message
-        the board reports as E_MSG_CRC is sent again (3 times at most).
+        """Send the request ``type_`` with ``payload`` as a message (section 6): MSG_BEGIN (stop-and-wait) with as
+        many first bytes as the fragment budget allows (none once the line is known to be noisy), the rest but the
+        last byte as short frames (:meth:`stream_up`), and the last byte as MSG_DATA / MSG_ZERO (stop-and-wait),
+        whose reply is the inner request's. Every byte before ``pos`` is held by the board and none after it,
+        between the steps. A message the board reports as E_MSG_CRC is sent again (3 times at most).
 
         Returns the inner request's reply (maybe ERROR).
 
