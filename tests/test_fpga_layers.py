@@ -182,3 +182,25 @@ def test_a_board_reset_ends_the_session_and_a_replayed_seq_is_refused_by_name():
         s.status()
     with pytest.raises(E.BoardReset):  # and the session stays dead: never a retry
         s.status()
+
+
+def test_a_message_the_board_drops_mid_transfer_is_a_board_error():
+    """The board forgets the open message when the first short frame of its body arrives: the bitmap
+    says GONE, the session checks the board is still the same (STATUS) and names the loss."""
+    host, dev = memory_pair()
+    board = _board_behind(dev)
+    short = board.short
+
+    def forgetful(f, send):
+        board.reasm.clear()
+        board.short = short
+        short(f, send)
+
+    board.short = forgetful
+    s = _session(max_fragment=256)
+    s.open(host)
+    with pytest.raises(E.BoardError, match="WRITE_MEM: the board no longer holds the message") as e:
+        s.transact(P.WRITE_MEM, P.pack_write_mem(3, 0, np.arange(2048, dtype="<u2").tobytes()), P.ACK)
+    assert e.value.code is None
+    s.transact(P.WRITE_MEM, P.pack_write_mem(3, 0, np.arange(2048, dtype="<u2").tobytes()), P.ACK)  # the session goes on
+    assert board.backend.read(3, 0, 2048).tobytes() == np.arange(2048, dtype="<u2").tobytes()

@@ -15,7 +15,8 @@ RetriesExhausted      the board answered, but every attempt came back NAKed or d
                       short frames made no progress, or a message / reply failed its CRC 3 times
 ProtocolViolation     a reply that does not parse or is not the one the request calls for
 VersionMismatch       the board speaks another link protocol or ISA version (a ProtocolViolation)
-BoardError            the board refused a request with ``ERROR`` (``code``: the ``E_*`` number)
+BoardError            the board refused a request with ``ERROR`` (``code``: the ``E_*`` number), or
+                      lost a message / reply mid-transfer
 ReplayRefused         the board refused a request as a replay (``E_REPLAY``, a BoardError)
 BoardReset            the board's session nonce changed or it answered ``E_SESSION``: the device
                       state is gone and the session stays dead (never retried)
@@ -51,9 +52,10 @@ class VersionMismatch(ProtocolViolation):
 
 
 class BoardError(LinkError):
-    """The board refused a request with ``ERROR code message`` (``code``: ``protocol.E_*``)."""
+    """The board refused a request with ``ERROR code message`` (``code``: ``protocol.E_*``), or dropped what a
+    transfer needed (a short-frame status GONE, which carries no code: ``code`` is ``None``)."""
 
-    def __init__(self, msg: str, code: int) -> None:
+    def __init__(self, msg: str, code: int | None = None) -> None:
         super().__init__(msg)
         self.code = code
 
