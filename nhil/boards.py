@@ -16,7 +16,7 @@ only on the node offering ``fpga_board:vcu118-a`` (``ray start ... --resources
 '{"fpga_board:vcu118-a": 1}'`` on that host), one row at a time. A board that does not
 answer fails its own rows with LINK_FAIL and no others. ``nhil boards`` lists the boards
 and probes each one (HELLO + INFO, the link protocol's session handshake,
-``docs/link-protocol.md``) for the capabilities it claims.
+``docs/link-protocol.md``; :func:`nhil.targets.fpga.probe.probe`) for the capabilities it claims.
 """
 
 from __future__ import annotations
@@ -168,35 +168,3 @@ def get_board(name: str, path: Path | None = None) -> Board:
         known = ", ".join(boards) if boards else f"none ({where} {'has no boards' if where.exists() else 'does not exist'})"
         raise SetupError(f"no board named {name!r} in {where}; boards: {known}")
     return boards[name]
-
-
-def probe(board: Board, open_timeout: float = 3.0) -> dict:
-    """HELLO + INFO with one board; never raises for link problems.
-
-    Returns:
-        ``{"name", "url", "ok": bool, "outcome": "PASS" | "LINK_FAIL" | ..., "error",
-        "capabilities": {isa_version, formats, ops, device} (when ok), "seconds"}``.
-    """
-    import time
-
-    from nhil.errors import NhilError
-    from nhil.targets.fpga.driver import FpgaTarget
-
-    t0 = time.perf_counter()
-    rep = {"name": board.name, "url": board.url, "baud": board.baud, "device": board.device, "node": board.node, "ok": False}
-    t = None
-    try:
-        t = FpgaTarget(port=board.url, baud=board.baud, device=board.device, open_timeout=open_timeout, max_retries=4)
-        t.open()
-        caps = t.capabilities().to_json()
-        rep.update(ok=True, outcome="PASS", capabilities=caps)
-        claimed = caps.get("device", {}).get("name") if isinstance(caps.get("device"), dict) else None
-        if claimed and claimed != board.device:
-            rep["warning"] = f"the board reports device {claimed!r} but {boards_path()} says {board.device!r}"
-    except NhilError as e:
-        rep.update(outcome=e.outcome, error=str(e))
-    finally:
-        if t is not None:
-            t.close()
-    rep["seconds"] = round(time.perf_counter() - t0, 2)
-    return rep

@@ -324,7 +324,8 @@ def boards_cmd(probe: bool = typer.Option(True, "--probe/--no-probe", help="HELL
                timeout: float = typer.Option(3.0, help="seconds per board for the HELLO handshake")) -> None:
     """List the lab's FPGA boards (boards file) and probe each one; exit 1 if one does not answer."""
     try:
-        from nhil.boards import boards_path, load_boards, probe as probe_board
+        from nhil.boards import boards_path, load_boards
+        from nhil.targets.fpga.probe import probe as probe_board
 
         boards = load_boards(file)
         if not boards:

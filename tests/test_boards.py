@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nhil.boards import check_url, get_board, load_boards, probe
+from nhil.boards import check_url, get_board, load_boards
+from nhil.targets.fpga.probe import probe
 from nhil.errors import SetupError
 
 
@@ -89,7 +90,7 @@ def test_probe_reports_capabilities_of_a_live_board_and_link_fail_for_a_silent_o
         silent = probe(boards["silent"], open_timeout=1.0)
         assert not silent["ok"] and silent["outcome"] == "LINK_FAIL" and f"127.0.0.1:{dead}" in silent["error"]
         # the fpga target resolves --board / FPGA_BOARD through the same file
-        from nhil.targets.fpga.driver import FpgaTarget
+        from nhil.targets.fpga.target import FpgaTarget
 
         monkeypatch.setenv("NHIL_BOARDS", str(p))
         t = FpgaTarget(board="live")

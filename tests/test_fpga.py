@@ -31,6 +31,8 @@ from nhil.targets.fpga.frame import (BAD_OVERSIZE, END, SHORT_TYPES, Bad, Defram
                                      escape, unescape)
 from nhil.targets.sim import SimTarget
 
+from fpga_programs import assert_identical, program, run  # tests/fpga_programs.py
+
 pytestmark = pytest.mark.fpga
 
 DEV = DEVICE_PRESETS["fpga-small"]  # 2 channels x 16 banks x 1024 rows x 1024 cols
@@ -284,45 +286,10 @@ def test_load_end_checks_what_arrived():
 
 
 # ---------------------------------------------------------------- end to end over a pty
-def _program(seed=4):
-    b = ProgramBuilder(DEV)
-    rng = np.random.default_rng(seed)
-    n_out, n_in = 2 * DEV.slots + 5, 2 * DEV.cols + 24
-    b.buffer("x", n_in)
-    b.buffer("h", n_out)
-    b.buffer("y", 40)
-    b.host_image("x0", rng.normal(size=n_in).astype(np.float32))
-    b.host("add", ["x0", "x0"], ["x"])
-    b.gemv(b.place_matrix("w1", rng.normal(size=(n_out, n_in)).astype(np.float32)), "x", "h")
-    b.host("add", ["h", "h"], ["h"])
-    b.invalidate_gb()
-    b.gemv(b.place_matrix("w2", rng.normal(size=(40, n_out)).astype(np.float32)), "h", "y")
-    return b.finish({"inputs": {}, "outputs": {"y": "y", "h": "h"}}, {})
-
-
-def _run(prog, target, steps=3):
-    r = Runner(prog, target)
-    r.reset()
-    outs = []
-    for s in range(steps):
-        outs.append({k: v.copy() for k, v in r.step(s, s).items()})
-    return outs, target.trace()
-
-
 @pytest.fixture(scope="module")
 def sim_result():
-    prog = _program()
-    return prog, _run(prog, SimTarget())
-
-
-def _assert_identical(a, b):
-    (oa, ta), (ob, tb) = a, b
-    assert len(oa) == len(ob)
-    for x, y in zip(oa, ob):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k].tobytes() == y[k].tobytes(), k
-    assert ta == tb
+    prog = program()
+    return prog, run(prog, SimTarget())
 
 
 def test_fpga_bit_identical_to_sim(sim_result):
@@ -330,8 +297,8 @@ def test_fpga_bit_identical_to_sim(sim_result):
     with FpgaTarget(device="fpga-small") as t:
         caps = t.capabilities()
         assert caps.device == DEV and caps.isa_version == 0
-        got = _run(prog, t)
-        _assert_identical(ref, got)
+        got = run(prog, t)
+        assert_identical(ref, got)
         sim = SimTarget()
         sim.load(prog)
         for img in prog.bank_images[:3]:
@@ -365,9 +332,9 @@ def test_run_error_on_board_matches_sim():
 def test_fpga_bit_identical_under_faults(sim_result, faults):
     prog, ref = sim_result
     with FpgaTarget(device="fpga-small", faults=faults, frame_timeout=0.2) as t:
-        got = _run(prog, t)
+        got = run(prog, t)
         link = t.stats()["link"]
-    _assert_identical(ref, got)
+    assert_identical(ref, got)
     if "0.25" in faults:
         assert link["retries"] > 0 and link["crc_errors"] + link["framing_errors"] + link["naks"] > 0
 
@@ -376,9 +343,9 @@ def test_fpga_bit_identical_under_byte_rate_faults(sim_result):
     prog, ref = sim_result
     faults = "byte_flip=1e-4,byte_drop=2e-5,byte_dup=2e-5,seed=3"
     with FpgaTarget(device="fpga-small", faults=faults, chunk_bytes=2048, frame_timeout=0.2) as t:
-        got = _run(prog, t)
+        got = run(prog, t)
         link = t.stats()["link"]
-    _assert_identical(ref, got)
+    assert_identical(ref, got)
     assert link["retries"] > 0
 
 
@@ -400,21 +367,21 @@ def test_board_reset_mid_run_is_link_fail(sim_result, reset_after):
 
 def test_emulator_keeps_serving_bad_frames_over_the_pty():
     with FpgaTarget(device="fpga-small") as t:
-        t.ser.write(bytes([END]) + os.urandom(3000) + bytes([END]))
-        t.ser.write(encode_frame(P.WRITE_MEM, 0, 500, t.board_nonce, b"\0" * (t.max_payload + 64)))
-        t.ser.write(encode_frame(0x5A, 0, 501, t.board_nonce, b""))
-        t.ser.write(encode_frame(P.WRITE_MEM, 0, 502, t.board_nonce, P.pack_write_mem(DEV.rows, 0, b"\0\0")))
+        t.session.transport.write(bytes([END]) + os.urandom(3000) + bytes([END]))
+        t.session.transport.write(encode_frame(P.WRITE_MEM, 0, 500, t.session.board_nonce, b"\0" * (t.session.max_payload + 64)))
+        t.session.transport.write(encode_frame(0x5A, 0, 501, t.session.board_nonce, b""))
+        t.session.transport.write(encode_frame(P.WRITE_MEM, 0, 502, t.session.board_nonce, P.pack_write_mem(DEV.rows, 0, b"\0\0")))
         seen = {}
         deadline = time.monotonic() + 5
         while not (501 in seen and 502 in seen) and time.monotonic() < deadline:
-            ev = t._recv(deadline)
+            ev = t.session.recv(deadline)
             if isinstance(ev, Frame):
                 code = P.unpack_error(ev.payload)[0] if ev.type in (P.ERROR, P.NAK) else None
                 seen[ev.seq if ev.type == P.ERROR else ("nak", code)] = (ev.type, code)
         assert seen.get(501) == (P.ERROR, P.E_UNKNOWN_TYPE)
         assert seen.get(502) == (P.ERROR, P.E_ADDRESS)
         assert ("nak", P.E_OVERSIZE) in seen
-        t._seq = 502  # seq 502 was executed (refused with E_ADDRESS): within a session seqs only move forward (section 3)
+        t.session.seq = 502  # seq 502 was executed (refused with E_ADDRESS): within a session seqs only move forward (section 3)
         with pytest.raises(RunError, match="row 1024 >= 1024"):
             t.write_row(0, 0, DEV.rows, np.zeros(DEV.cols, np.uint16))
         t.write_row(1, 2, 3, np.full(DEV.cols, 7, np.uint16))
@@ -448,7 +415,7 @@ def test_tcp_mode_on_loopback_with_env_port(sim_result, monkeypatch):
         monkeypatch.setenv("FPGA_PORT", line)
         with FpgaTarget() as t:
             assert t.url == line and t.proc is None
-            _assert_identical(ref, _run(prog, t))
+            assert_identical(ref, run(prog, t))
     finally:
         proc.terminate()
         proc.wait(5)
@@ -467,13 +434,13 @@ def test_rtl_backend_if_available(device):
     b.host("add", ["x0", "x0"], ["x"])
     b.gemv(b.place_matrix("w", rng.normal(size=(40, 200)).astype(np.float32)), "x", "y")
     prog = b.finish({"inputs": {}, "outputs": {"y": "y"}}, {})
-    ref = _run(prog, SimTarget(), steps=2)
+    ref = run(prog, SimTarget(), steps=2)
     try:
         with FpgaTarget(device=device, rtl=True, run_timeout=600) as t:
-            got = _run(prog, t, steps=2)
+            got = run(prog, t, steps=2)
     except (LinkError, SetupError) as e:
         pytest.skip(f"RTL backend not usable here: {e}")
-    _assert_identical(ref, got)
+    assert_identical(ref, got)
 
 
 def test_link_benchmark_small():
@@ -483,12 +450,12 @@ def test_link_benchmark_small():
 
 
 def test_a_stage_timeout_inside_a_serial_read_stays_a_timeout_not_a_link_failure():
-    """verify's SIGALRM stage timeout can land inside pyserial's read: the driver must let it
-    through (outcome TIMEOUT), while a real serial error still becomes a LinkError."""
-    import collections
-
+    """verify's SIGALRM stage timeout can land inside pyserial's read: the transport must let it
+    through (outcome TIMEOUT), while a real serial error still becomes a LinkError (TransportError)."""
     from nhil.errors import LinkError
-    from nhil.targets.fpga.driver import FpgaTarget
+    from nhil.targets.fpga.errors import TransportError
+    from nhil.targets.fpga.session import Session
+    from nhil.targets.fpga.transport import SerialTransport
     from nhil.verify import StageTimeout
 
     class Port:
@@ -498,14 +465,13 @@ def test_a_stage_timeout_inside_a_serial_read_stays_a_timeout_not_a_link_failure
         def read(self, n):
             raise self.exc
 
-    t = object.__new__(FpgaTarget)  # only the fields _recv touches
-    t._q, t._fd, t.url, t.link = collections.deque(), None, "loop://", collections.Counter()
-    t.ser = Port(StageTimeout("stage load_target exceeded its timeout of 1800 s"))
+    s = Session(SerialTransport(Port(StageTimeout("stage load_target exceeded its timeout of 1800 s")), "loop://"))
     with pytest.raises(StageTimeout):
-        t._recv(time.monotonic() + 5)
-    t.ser = Port(OSError(5, "Input/output error"))
-    with pytest.raises(LinkError, match="read from loop:// failed"):
-        t._recv(time.monotonic() + 5)
+        s.recv(time.monotonic() + 5)
+    s = Session(SerialTransport(Port(OSError(5, "Input/output error")), "loop://"))
+    with pytest.raises(TransportError, match="read from loop:// failed") as e:
+        s.recv(time.monotonic() + 5)
+    assert isinstance(e.value, LinkError) and e.value.outcome == "LINK_FAIL"
 
 
 # ---------------------------------------------------------------- warm reload (RESET_KEEP_ROWS + MEM_CRC)
@@ -564,7 +530,7 @@ def test_runner_reloads_warm_and_stays_bit_identical(sim_result):
         for run in range(2):
             r.reset()
             outs = [{k: v.copy() for k, v in r.step(s, s).items()} for s in range(3)]
-            _assert_identical(ref, (outs, t.trace()))
+            assert_identical(ref, (outs, t.trace()))
             # what a run leaves behind: a written KV row, accumulators; the reload must clear both
             t.write_row(1, 2, kv_row, np.arange(DEV.cols, dtype=np.uint16) + 1)
             t.execute([ResolvedInstr(0, Instr(Op.WR_ACC, 0, k=1, col=0, n=1), np.float32([7.0]))])
@@ -588,6 +554,6 @@ def test_warm_reload_falls_back_to_a_full_load_when_a_weight_row_changed(sim_res
 
         (lo, hi), = [tuple(map(int, m)) for m in re.findall(r"board rows \[(\d+), (\d+)\)", capsys.readouterr().err)]
         assert lo <= img.row < hi
-        other = _program(seed=5)  # another program: always a full load
+        other = program(seed=5)  # another program: always a full load
         t.reload(other)
         assert t.reloads["full"] == 3

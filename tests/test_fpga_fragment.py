@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nhil.targets.fpga import protocol as P
-from nhil.targets.fpga.driver import _grid_cuts, _spans
+from nhil.targets.fpga.stream import grid_cuts as _grid_cuts, spans as _spans
 from nhil.targets.fpga.emulator import Board
 from nhil.targets.fpga.fragment import E_FRAGMENT, E_MSG_CRC, Reassembler, ReassemblyError, ReplyBuffer
 from nhil.targets.fpga.frame import Deframer, Frame, crc32, encode_frame

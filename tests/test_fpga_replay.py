@@ -15,6 +15,8 @@ from nhil.targets.fpga.frame import Deframer, Frame, encode_frame
 from nhil.targets.fpga.replay import REPLY_WINDOW, ReplyWindow, seq_newer
 from nhil.targets.sim import SimTarget
 
+from fpga_programs import program, run  # tests/fpga_programs.py
+
 DEV = DEVICE_PRESETS["fpga-small"]
 ROW_ELEMS = DEV.channels * DEV.banks * DEV.cols
 
@@ -134,57 +136,34 @@ def test_repeated_hello_keeps_the_session_a_new_one_changes_the_nonce():
     assert w.row(9) == row9 and np.frombuffer(row9, "<u2")[0] == 9  # memory survives a HELLO (warm reload)
 
 
-def _program(seed=4):
-    from nhil.compiler.builder import ProgramBuilder
-
-    b = ProgramBuilder(DEV)
-    rng = np.random.default_rng(seed)
-    n_out, n_in = 2 * DEV.slots + 5, 2 * DEV.cols + 24
-    b.buffer("x", n_in)
-    b.buffer("y", n_out)
-    b.host_image("x0", rng.normal(size=n_in).astype(np.float32))
-    b.host("add", ["x0", "x0"], ["x"])
-    b.gemv(b.place_matrix("w1", rng.normal(size=(n_out, n_in)).astype(np.float32)), "x", "y")
-    return b.finish({"inputs": {}, "outputs": {"y": "y"}}, {})
-
-
-def _run(prog, target, steps=3):
-    from nhil.runtime.executor import Runner
-
-    r = Runner(prog, target)
-    r.reset()
-    outs = [{k: v.copy() for k, v in r.step(s, s).items()} for s in range(steps)]
-    return outs, target.trace()
-
-
 def test_replays_on_the_line_leave_the_run_bit_identical_and_are_counted():
     """A line that, before some requests, replays the request 1, 5 and 50 back (raw frames, as
     sent): the board answers each replay from its window or refuses it, never executes it; the host
     ignores those replies (stale: another seq) and counts them; the results are the simulator's."""
-    prog = _program()
-    ref = _run(prog, SimTarget(device=DEV))
+    prog = program()
+    ref = run(prog, SimTarget(device=DEV))
     with FpgaTarget(device="fpga-small", progress=False) as t:
         sent: dict[int, bytes] = {}
         replayed = []
-        real_write = t._write
+        real_write = t.session.transport.write
         dec = Deframer(1 << 24)
 
-        def write(data: bytes, payload_bytes: int) -> None:
+        def write(data: bytes) -> None:
             frames = [e for e in dec.feed(data) if isinstance(e, Frame) and e.type in P.REQUESTS and e.seq]
             for f in frames:
                 if f.seq not in sent:
                     for back in (1, 5, 50):
                         old = f.seq - back
                         if old in sent and f.seq % 7 == 0:  # now and then, replay old requests first
-                            real_write(sent[old], 0)
+                            real_write(sent[old])
                             replayed.append(back)
                     sent[f.seq] = data
-            real_write(data, payload_bytes)
+            real_write(data)
 
-        t._write = write
+        t.session.transport.write = write
         runs = []
-        while t._seq < 80:  # enough requests for replays 50 back; each run starts with a RESET (warm reload)
-            runs.append(_run(prog, t))
+        while t.session.seq < 80:  # enough requests for replays 50 back; each run starts with a RESET (warm reload)
+            runs.append(run(prog, t))
         st = t.stats()["link"]
         board = t.status()
     for got in runs:  # a replayed RESET or LOAD executed again would have wiped the weights or the KV cache

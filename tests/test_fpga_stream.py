@@ -186,17 +186,17 @@ def test_cell_size_follows_the_measured_byte_survival_hand_computed():
     import math
 
     t = FpgaTarget(port="loop://", progress=False)  # not opened: only the estimator is used
-    assert t._cell("up") == 1 << 15  # no estimate yet: the budget (64 KiB), capped at 32 KiB cells
-    t._lnq["up"] = math.log(0.97)
-    assert t._cell("up") == 32
-    t._lnq["up"] = math.log(0.999)  # 0.1% damaged: ~1 KiB frames
-    assert t._cell("up") == 1024
-    t._lnq["up"] = None
-    t._learn("up", delivered=0, sent=10, wire_bytes=1000 + S.SHORT_OVERHEAD)  # nothing of 10 frames of 1000 B got through
-    assert t._cell("up") <= 512
-    t._lnq["down"] = None
-    t._learn("down", delivered=int(1000 * math.exp(-1)), sent=1000, wire_bytes=44)  # 37% of 44-byte frames: ln q = -1/44
-    assert t._cell("down") == 32 and t.link["cell_down"] == 32
+    assert t.session.bulk.cell("up") == 1 << 15  # no estimate yet: the budget (64 KiB), capped at 32 KiB cells
+    t.session.bulk.lnq["up"] = math.log(0.97)
+    assert t.session.bulk.cell("up") == 32
+    t.session.bulk.lnq["up"] = math.log(0.999)  # 0.1% damaged: ~1 KiB frames
+    assert t.session.bulk.cell("up") == 1024
+    t.session.bulk.lnq["up"] = None
+    t.session.bulk.learn("up", delivered=0, sent=10, wire_bytes=1000 + S.SHORT_OVERHEAD)  # nothing of 10 frames of 1000 B got through
+    assert t.session.bulk.cell("up") <= 512
+    t.session.bulk.lnq["down"] = None
+    t.session.bulk.learn("down", delivered=int(1000 * math.exp(-1)), sent=1000, wire_bytes=44)  # 37% of 44-byte frames: ln q = -1/44
+    assert t.session.bulk.cell("down") == 32 and t.link["cell_down"] == 32
 
 
 @pytest.mark.slow
@@ -241,7 +241,7 @@ def test_messages_larger_than_the_fragment_cap_stream_on_a_clean_line():
     with FpgaTarget(device="fpga-small", max_fragment=1024, progress=False) as t:
         t.load(prog)
         img = prog.bank_images[1]
-        got = t._transact(P.READ_MEM, P.pack_read_mem(img.row, 0, img.data.size), P.MEM_DATA, reply_size=2 * img.data.size)
+        got = t.session.transact(P.READ_MEM, P.pack_read_mem(img.row, 0, img.data.size), P.MEM_DATA, reply_size=2 * img.data.size)
         assert got.payload == img.data.astype("<u2").tobytes()
         link = t.link
         assert link["cells_up"] >= 2 * 63 and link["cells_down"] >= 64 and link["crc_errors"] == 0

@@ -303,6 +303,17 @@ def test_capabilities_and_load_refusals():
         RtlTarget(device="aim-like")
 
 
+def test_build_and_run_folders_follow_the_working_directory_not_the_checkout(monkeypatch, tmp_path):
+    """Builds and run folders go under $NHIL_RTL_BUILD, else build/rtl of the working directory
+    (like verify's runs/), not under the source checkout wherever the command runs."""
+    monkeypatch.delenv("NHIL_RTL_BUILD", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert rtl_build.build_root() == tmp_path / "build" / "rtl" and rtl_build.runs_root() == tmp_path / "build" / "rtl" / "runs"
+    assert rtl_build.REPO not in rtl_build.build_root().parents
+    monkeypatch.setenv("NHIL_RTL_BUILD", str(tmp_path / "b"))
+    assert rtl_build.build_root() == tmp_path / "b" and rtl_build.runs_root() == tmp_path / "b" / "runs"
+
+
 def test_missing_tools_are_a_setup_error_naming_the_install(monkeypatch):
     import sys
 

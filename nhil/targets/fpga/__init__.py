@@ -3,12 +3,16 @@
 * ``frame``: SLIP-style framing + CRC-32 codec; ``protocol``: message types and payloads;
 * ``fragment``: message reassembly and the buffered reply (device side) for noisy lines;
 * ``stream``: short frames (headerless bulk data, bitmap queries, streamed reply cells, pings);
-* ``driver``: :class:`FpgaTarget` (host side, any pyserial URL, starts an emulator when no port);
+* host side, in layers: ``transport`` (the only code that touches a port: pyserial URL or an
+  in-memory pair), ``session`` + ``bulk`` (HELLO, ARQ, timeouts, counters, replay guard; bursts of
+  short frames), ``target``: :class:`FpgaTarget` (load / reload / execute / rows); ``errors``: the
+  link errors (all ``LinkError``); ``launch``: starts the emulator when no port is given;
+  ``progress``: the load progress bar; ``probe``: HELLO + INFO with a lab board;
 * ``emulator``: the device side (``Board``) executing with the functional simulator (or RTL);
 * ``faults``: fault injection; ``cli``: ``nhil fpga-emu``; ``bench``: :func:`link_benchmark`.
 """
 
-from nhil.targets.fpga.driver import FpgaTarget
+from nhil.targets.fpga.target import FpgaTarget
 
 
 def link_benchmark(nbytes: int = 64 << 20, **kw) -> dict:

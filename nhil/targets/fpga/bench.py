@@ -74,7 +74,7 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
     wire bytes sent), ``payload_efficiency`` (image bytes / all wire bytes both ways),
     frame and retry counters; ``verified_rows`` rows are read back and compared.
     """
-    from nhil.targets.fpga.driver import FpgaTarget
+    from nhil.targets.fpga.target import FpgaTarget
 
     prog = synthetic_program(nbytes, device)
     image = sum(img.data.nbytes for img in prog.bank_images)
@@ -114,7 +114,7 @@ def link_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str
         "crc_errors": link["crc_errors"],
         "naks": link["naks"],
         "timeouts": link["timeouts"],
-        "fragment_budget_min": t.budget_min_seen,
+        "fragment_budget_min": t.session.budget_min_seen,
         "cell_up": t.link["cell_up"],
         "cell_down": t.link["cell_down"],
         "short_frames": link["short_tx"],
@@ -134,7 +134,7 @@ def goodput_benchmark(nbytes: int = 128 << 10, device: str = "fpga-small", fault
 def reload_benchmark(nbytes: int = 64 << 20, device: str = "aim-like", faults: str = "") -> dict:
     """Seconds of a full load of ``nbytes`` of random bank rows and of a warm reload of the same program
     (RESET_KEEP_ROWS + MEM_CRC, docs/link-protocol.md section 4a) over a pty, in one session."""
-    from nhil.targets.fpga.driver import FpgaTarget
+    from nhil.targets.fpga.target import FpgaTarget
 
     prog = synthetic_program(nbytes, device)
     with FpgaTarget(device=device, faults=faults, progress=False) as t:

@@ -15,7 +15,7 @@ host streams many fragments without waiting and resends only what is missing.
 Large replies travel the other way through a :class:`ReplyBuffer` the host reads with
 FETCH (offset, max bytes); FETCH is read-only, so it may be repeated freely.
 
-The host's side of the bulk path (short frames, section 12) is ``driver.py`` and ``stream.py``.
+The host's side of the bulk path (short frames, section 12) is ``bulk.py`` and ``stream.py``.
 """
 
 from __future__ import annotations

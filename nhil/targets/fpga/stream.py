@@ -130,6 +130,26 @@ def bit(bits: bytes, i: int) -> bool:
     return bool(bits[i >> 3] >> (i & 7) & 1)
 
 
+def grid_cuts(a: int, e: int, g: int) -> list[int]:
+    """Starts of the pieces of ``[a, e)`` cut at the multiples of ``g``."""
+    return [a, *range((a // g + 1) * g, e, g)]
+
+
+def spans(cells: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(first cell, count <= MAX_CELLS)`` query spans covering the inclusive cell ranges ``cells`` (ascending)."""
+    out: list[tuple[int, int]] = []
+    end = -1  # first cell not covered yet
+    for c0, c1 in cells:
+        while c1 >= end:
+            start = max(c0, end)
+            out.append((start, MAX_CELLS))
+            end = start + MAX_CELLS
+    if out:  # trim the last span to the cells it needs
+        c0, _ = out[-1]
+        out[-1] = (c0, max(c1 for _, c1 in cells if c1 >= c0) - c0 + 1)
+    return out
+
+
 # ------------------------------------------------------------------ decoders (body = bytes between type and CRC)
 class Data(NamedTuple):
     tag: int

@@ -6,7 +6,9 @@ and its version, and cocotb's version, so any change rebuilds and an unchanged t
 the build. The build runs once under a ``filelock`` (parallel pytest-xdist workers share it)
 and is marked complete by a ``.built`` file written last.
 
-Build root: ``$NHIL_RTL_BUILD`` or ``<repo>/build/rtl``.
+Build root (:func:`build_root`): ``$NHIL_RTL_BUILD``, else ``build/rtl`` in the working directory
+(like verify's ``runs/`` and ``goldens/``), not the source checkout; run folders (launch config,
+logs, memory images, waves) go under its ``runs/`` (:func:`runs_root`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ SIMULATORS = ("verilator", "icarus")
 
 
 def build_root() -> Path:
-    return Path(os.environ.get("NHIL_RTL_BUILD") or REPO / "build" / "rtl")
+    """Folder of the cached builds: ``$NHIL_RTL_BUILD``, else ``build/rtl`` in the working directory."""
+    env = os.environ.get("NHIL_RTL_BUILD")
+    return Path(env).expanduser() if env else Path.cwd() / "build" / "rtl"
+
+
+def runs_root() -> Path:
+    """Folder of the run folders: ``runs/`` of :func:`build_root`."""
+    return build_root() / "runs"
 
 
 def _verilator_root() -> Path | None:

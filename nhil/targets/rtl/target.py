@@ -40,7 +40,7 @@ from nhil.numerics.mac import LANES
 from nhil.isa.semantics import check_instr
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.rtl import proto
-from nhil.targets.rtl.build import REPO, RTL_DIR, SIM_SOURCES, SIM_TOP, BuildSpec, build_root, ensure_build
+from nhil.targets.rtl.build import REPO, RTL_DIR, SIM_SOURCES, SIM_TOP, BuildSpec, ensure_build, runs_root
 
 RTL_OPS = DEVICE_OPS  # every non-reserved ISA v0 device opcode
 # Weight formats the RTL's MAC lanes decode (rtl_stubs/pim_wdec.sv, pim_fp_pkg::wfmt_fetch): every
@@ -168,7 +168,7 @@ class RtlTarget(Target):
             return
         spec = channel_spec(self.d, self.simulator, self.waves, self.inject_bug)
         bdir, self.build_info = ensure_build(spec)
-        runs = build_root() / "runs"
+        runs = runs_root()
         runs.mkdir(parents=True, exist_ok=True)
         self.run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=runs))
         (self.run_dir / "mem").mkdir()

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from nhil.targets.rtl.build import REPO, BuildSpec, build_root, ensure_build
+from nhil.targets.rtl.build import REPO, BuildSpec, ensure_build, runs_root
 
 
 
@@ -28,7 +28,7 @@ DATAPATH_MODULES = ("nhil.targets.rtl.tb_datapath", "nhil.targets.rtl.tb_formats
 
 def run_cocotb(spec: BuildSpec, test_module: str | list[str], env: dict | None = None, timeout: float = 600) -> dict:
     bdir, info = ensure_build(spec)
-    runs = build_root() / "runs"
+    runs = runs_root()
     runs.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-") + spec.toplevel + "-", dir=runs))
     cfg = {
