@@ -175,7 +175,7 @@ def check_model(model) -> None:
 
     names = list_models()
     if isinstance(model, str) and model not in names and "\x00" not in model and model.strip() == model and model:
-        from nhil.models.from_path import looks_like_path
+        from nhil.models.spec import looks_like_path
 
         if looks_like_path(model):
             p = Path(model).expanduser().resolve()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ import torch
 from nhil.errors import SetupError
 from nhil.models.prequant import check_against_dense, load_dense_config, quant_config_of, read_native
 from nhil.models.registry import ModelBundle
+from nhil.models.spec import looks_like_path, model_label  # noqa: F401  (part of this module's interface)
 
 __all__ = ["looks_like_path", "model_label", "load_model_path", "MAX_SEEDED_PARAMS"]
 
@@ -43,30 +43,6 @@ __all__ = ["looks_like_path", "model_label", "load_model_path", "MAX_SEEDED_PARA
 MAX_SEEDED_PARAMS = int(os.environ.get("NHIL_MAX_SEEDED_PARAMS", 2_000_000_000))
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 KINDS = "a registered name (`nhil models`), a Hugging Face folder (config.json + *.safetensors), a .gguf file, or a config.json"
-
-
-def looks_like_path(spec: str) -> bool:
-    """True if ``spec`` names a file system path rather than a registry name."""
-    return os.sep in spec or "/" in spec or spec.endswith((".gguf", ".json")) or Path(spec).exists()
-
-
-def model_label(spec: str) -> str:
-    """Filesystem-safe name of a model spec for run folders and golden folders.
-
-    A registry name is returned unchanged; a path becomes its folder or file stem
-    (``.../SmolLM2/`` -> ``SmolLM2``, ``x.gguf`` -> ``x``, ``.../qwen3/config.json`` ->
-    ``qwen3-config``), with characters outside ``[A-Za-z0-9._-]`` replaced by ``_``.
-    """
-    if not looks_like_path(spec):
-        return spec
-    p = Path(spec.rstrip("/"))
-    if p.name == "config.json":
-        base = f"{p.parent.resolve().name or 'model'}-config"
-    elif p.suffix in (".gguf", ".json"):
-        base = p.stem
-    else:
-        base = p.resolve().name or "model"
-    return re.sub(r"[^A-Za-z0-9._-]", "_", base)
 
 
 def _sha256_files(paths: list[Path]) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 
 from nhil.models.registry import ModelBundle, register
-from nhil.models.seeding import seed_weights
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -114,6 +113,8 @@ def build_zoo_model(name: str, seed: int = 0) -> ModelBundle:
     _, model_cls, _, notes = ZOO[name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(build_config(name))
+    from nhil.models.seeding import seed_weights  # imports torch: not at registry listing (argument checks)
+
     weights_id = f"seed:{seed}" + seed_weights(model, 0.15)
     model.eval()
     return ModelBundle(name=name, model=model, tokenizer=None, weights_id=weights_id, source=f"{model_cls} tiny (seeded): {notes}")

@@ -89,7 +89,7 @@ class Run:
     def __init__(self, opts: VerifyOptions) -> None:
         self.o = opts
         from nhil.args import new_run_dir
-        from nhil.models.from_path import model_label
+        from nhil.models.spec import model_label
 
         self.dir = new_run_dir(opts.runs_dir, model_label(opts.model), opts.target, None if opts.quant == "bf16" else opts.quant)  # sanitised, unique
         self.report: dict = {
