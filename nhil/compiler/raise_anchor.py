@@ -90,6 +90,22 @@ def _check_cache_index(ctx, pos: fx.Node, nodes: list[fx.Node]) -> None:
             raise Mismatch(pos, f"the cache index {pos.name} is not the cache position (at position {p}: {got})")
 
 
+def _cache_writes(ctx, kw: fx.Node, vw: fx.Node) -> tuple:
+    """(k cache, v cache, new k heads, new v heads, the nodes computing the cache index) of the two static-cache
+    writes ``kw`` / ``vw`` (``index_copy_(cache, 2, pos, heads)``), their index checked at every position.
+
+    Raises:
+        Mismatch: a write along another dim than the sequence dim 2, or an index that is not the cache position.
+    """
+    (kcache, kdim, kpos, k_h), (vcache, vdim, vpos, v_h) = kw.args, vw.args
+    if kdim != 2 or vdim != 2:
+        raise Mismatch(kw, "static-cache writes must index the sequence dim 2")
+    idx = _index_slice(ctx, kpos) + [n for n in _index_slice(ctx, vpos) if n not in _index_slice(ctx, kpos)]
+    _check_cache_index(ctx, kpos, _index_slice(ctx, kpos))
+    _check_cache_index(ctx, vpos, _index_slice(ctx, vpos))
+    return kcache, vcache, k_h, v_h, idx
+
+
 def _flat(ctx, x: fx.Node, shape, old: fx.Node) -> fx.Node:
     """[B,H,S,hd] heads -> [B,S,H*hd] (host ATen transpose + reshape: exact re-layout)."""
     b, h, s, hd = shape
@@ -152,12 +168,7 @@ def h_attention_anchor(ctx) -> None:
     if decode:
         if sorted(writes, key=ctx.r.index.get) != sorted([k_src, v_src], key=ctx.r.index.get) or k_src is v_src:
             raise Mismatch(o, "decode attention: key and value must come straight from two static-cache writes (index_copy_)")
-        (kcache, kdim, kpos, k_h), (vcache, vdim, vpos, v_h) = k_src.args, v_src.args
-        if kdim != 2 or vdim != 2:
-            raise Mismatch(k_src, "static-cache writes must index the sequence dim 2")
-        idx_nodes = _index_slice(ctx, kpos) + [n for n in _index_slice(ctx, vpos) if n not in _index_slice(ctx, kpos)]
-        _check_cache_index(ctx, kpos, _index_slice(ctx, kpos))
-        _check_cache_index(ctx, vpos, _index_slice(ctx, vpos))
+        kcache, vcache, k_h, v_h, idx_nodes = _cache_writes(ctx, k_src, v_src)
         core |= {k_src, v_src, *idx_nodes}
         for n in idx_nodes:
             if any(u not in core for u in n.users if u.op == "call_function"):

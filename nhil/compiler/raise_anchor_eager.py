@@ -12,8 +12,7 @@ import torch
 import torch.fx as fx
 
 from nhil.compiler.host_aten import _emit, _new_group, emit_host
-from nhil.compiler.raise_anchor import (_cache_position, _check_cache_index, _flat_qkv, _heads_out, _index_slice,
-                                        _through_repeat_kv)
+from nhil.compiler.raise_anchor import _cache_position, _cache_writes, _flat_qkv, _heads_out, _through_repeat_kv
 from nhil.compiler.raise_match import Mismatch
 from nhil.compiler.raising import Marker, _val
 
@@ -139,12 +138,7 @@ def h_attention_eager(ctx) -> None:
     vc, v_path, nrep_v = _through_repeat_kv(ctx, v4)
     if kc is vc:
         raise Mismatch(s_mm, "eager attention: scores and values read the same cache")
-    (kcache, kdim, kpos, k_h), (vcache, vdim, vpos, v_h) = kc.args, vc.args
-    if kdim != 2 or vdim != 2:
-        raise Mismatch(kc, "static-cache writes must index the sequence dim 2")
-    idx = _index_slice(ctx, kpos) + [n for n in _index_slice(ctx, vpos) if n not in _index_slice(ctx, kpos)]
-    _check_cache_index(ctx, kpos, _index_slice(ctx, kpos))
-    _check_cache_index(ctx, vpos, _index_slice(ctx, vpos))
+    kcache, vcache, k_h, v_h, idx = _cache_writes(ctx, kc, vc)
     q_h, k_h, v_h = q4, ctx.r.canon(k_h), ctx.r.canon(v_h)
     qv, kh_v, vh_v, cache = _val(q_h), _val(k_h), _val(v_h), tuple(_val(kcache).shape)
     b, hq, s, hd = qv.shape
