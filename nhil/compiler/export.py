@@ -106,7 +106,7 @@ def export_decode(model: torch.nn.Module, max_cache_len: int) -> tuple[torch.exp
                 if _value_sliced(ep) and _accepts_position_ids(model):
                     # exported, but the positions are a slice at a tensor's value (BERT's position_ids buffer
                     # [cache_length:]): a size only known at run time, handed in below as for the failures
-                    raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION, "data-dependent slice")
+                    raise _ValueSliced("exported with a data-dependent slice")
             except Exception as e:
                 if not (_data_dependent(e) and _accepts_position_ids(model)):
                     raise
@@ -137,6 +137,10 @@ def _data_dependent(e: BaseException) -> bool:
     """True when torch.export failed on a value-dependent size (an unbacked symbol from ``.item()``)."""
     text = f"{type(e).__name__}: {e}".lower()
     return "data-dependent" in text or "pendingunbackedsymbolnotfound" in text
+
+
+class _ValueSliced(Exception):
+    """An export that succeeded with a slice bounded by a tensor's value (retried with the positions handed in)."""
 
 
 def _value_sliced(ep: torch.export.ExportedProgram) -> bool:
