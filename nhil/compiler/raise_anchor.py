@@ -100,9 +100,10 @@ def _cache_writes(ctx, kw: fx.Node, vw: fx.Node) -> tuple:
     (kcache, kdim, kpos, k_h), (vcache, vdim, vpos, v_h) = kw.args, vw.args
     if kdim != 2 or vdim != 2:
         raise Mismatch(kw, "static-cache writes must index the sequence dim 2")
-    idx = _index_slice(ctx, kpos) + [n for n in _index_slice(ctx, vpos) if n not in _index_slice(ctx, kpos)]
-    _check_cache_index(ctx, kpos, _index_slice(ctx, kpos))
-    _check_cache_index(ctx, vpos, _index_slice(ctx, vpos))
+    k_idx, v_idx = _index_slice(ctx, kpos), _index_slice(ctx, vpos)
+    _check_cache_index(ctx, kpos, k_idx)
+    _check_cache_index(ctx, vpos, v_idx)
+    idx = k_idx + [n for n in v_idx if n not in k_idx]
     return kcache, vcache, k_h, v_h, idx
 
 

@@ -35,6 +35,7 @@ import operator
 import torch
 
 from nhil.compiler.raise_ctx import Ctx, aten, nhil
+from nhil.compiler.raise_handlers import RMS_NORM
 from nhil.compiler.raise_match import Mismatch, V, match_any
 from nhil.compiler.raise_recurrent import CONV_UPDATE, _shape, _state, conv_update
 from nhil.compiler.raising import Marker
@@ -121,12 +122,7 @@ GATED_DELTA_DECODE = [gated_delta_decode(*v) for v in VARIANTS]
 HEADS_RESHAPE = [("out", aten.reshape.default, (V("x"), V("shape")), None)]
 HEADS_RESHAPE2 = [("mid", aten.reshape.default, (V("x"), V("shape1")), None), ("out", aten.reshape.default, (V("mid"), V("shape")), None)]
 
-NORM_BEFORE_GATE = [
-    ("pow", aten.pow.Tensor_Scalar, (V("x"), 2), None),
-    ("mean", aten.mean.dim, (V("pow"), [-1], True), None),
-    ("add", aten.add.Tensor, (V("mean"), V("eps")), None),
-    ("rsqrt", aten.rsqrt.default, (V("add"),), None),
-    ("mul", aten.mul.Tensor, (V("x"), V("rsqrt")), None),
+NORM_BEFORE_GATE = RMS_NORM[:5] + [  # RMSNorm's normalisation, then the weight and the silu gate
     ("wmul", aten.mul.Tensor, (V("w"), V("mul")), None),
     ("sg", aten.silu.default, (V("gate"),), None),
     ("out", aten.mul.Tensor, (V("wmul"), V("sg")), None),
