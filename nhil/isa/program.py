@@ -201,7 +201,7 @@ class Program:
             chunks.append(b)
             off += len(b)
         meta = {
-            "device": dataclasses.asdict(self.device),
+            "device": self.device.as_dict(),
             "buffers": self.buffers,
             "operands": [[o.buffer, o.offset, o.count] for o in self.operands],
             "host_ops": [h.to_json() for h in self.host_ops],

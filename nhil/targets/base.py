@@ -25,7 +25,7 @@ import numpy as np
 
 from nhil.errors import LoadError
 from nhil.isa.device import DeviceConfig
-from nhil.isa.instr import Instr, Op, RESERVED_OPS, OPINFO
+from nhil.isa.instr import EXTENSION_OPS, Instr, Op, RESERVED_OPS, OPINFO
 from nhil.isa.program import Program
 
 
@@ -225,4 +225,4 @@ def check_program_fits(program: Program, caps: Capabilities, target: str) -> Non
         )
 
 
-DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS
+DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS - EXTENSION_OPS  # ISA v0's base opcodes

@@ -1,6 +1,7 @@
 """Compiled inner loops of the simulator's fast path (``nhil.targets.sim.fast``).
 
-One kernel today: the bf16 MAC (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0) of
+Two kernels: the multi-vector MAC of the prefill extension (``MAC_ABV``, :func:`mac_bf16_vec`: each weight
+burst read once, MAC'd into every vector's accumulator with the same arithmetic), and the bf16 MAC (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0) of
 ``docs/numerics.md`` section "MAC", written as a loop that numba compiles:
 
 * weights are read straight from the bank state (uint16 bf16 bits, widened in a register:
@@ -86,3 +87,67 @@ def _mac_bf16_py(mem, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no cove
 
 
 mac_bf16 = njit(cache=True, nogil=True)(_mac_bf16_py) if AVAILABLE else None
+
+
+def _mac_bf16_vec_py(mem, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
+    """In place, MAC_ABV: for c in [c0, c1), every bank b, j < nv: ``accs[j, c, b, k]`` absorbs bursts [col, col+n)
+    of row slot ``s`` against the same bursts of global buffer ``gbs[j, c]`` (the arithmetic of :func:`_mac_bf16_py` per set).
+
+    Args:
+        mem: uint16 [channels, banks, row slots, cols]; gbs: uint16 [sets, channels, gb_elems];
+        accs: float32 [sets, channels, banks, accumulators], updated in place;
+        s: row slot (-1: a row never written, reads as zero); nv: vectors (sets) served.
+    """
+    nb = mem.shape[1]
+    wbuf = np.empty(16, np.uint32)
+    wf = wbuf.view(np.float32)
+    abuf = np.empty(16 * n * nv, np.uint32)
+    af = abuf.view(np.float32)
+    xs = np.empty(nv, np.float32)
+    nanbuf = np.empty(1, np.uint32)
+    nanbuf[0] = 0x7FC00000
+    cnan = nanbuf.view(np.float32)[0]
+    e0 = col * 16
+    for c in range(c0, c1):
+        for v in range(nv):
+            for i in range(16 * n):
+                abuf[v * 16 * n + i] = np.uint32(gbs[v, c, e0 + i]) << 16
+        for b in range(nb):
+            for v in range(nv):
+                xs[v] = accs[v, c, b, k]
+            for j in range(n):
+                o = e0 + j * 16
+                if s >= 0:
+                    for i in range(16):
+                        wbuf[i] = np.uint32(mem[c, b, s, o + i]) << 16
+                else:
+                    for i in range(16):
+                        wbuf[i] = 0
+                for v in range(nv):
+                    q = (v * n + j) * 16
+                    p0 = wf[0] * af[q]
+                    p1 = wf[1] * af[q + 1]
+                    p2 = wf[2] * af[q + 2]
+                    p3 = wf[3] * af[q + 3]
+                    p4 = wf[4] * af[q + 4]
+                    p5 = wf[5] * af[q + 5]
+                    p6 = wf[6] * af[q + 6]
+                    p7 = wf[7] * af[q + 7]
+                    p8 = wf[8] * af[q + 8]
+                    p9 = wf[9] * af[q + 9]
+                    p10 = wf[10] * af[q + 10]
+                    p11 = wf[11] * af[q + 11]
+                    p12 = wf[12] * af[q + 12]
+                    p13 = wf[13] * af[q + 13]
+                    p14 = wf[14] * af[q + 14]
+                    p15 = wf[15] * af[q + 15]
+                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                    xs[v] = xs[v] + d
+            for v in range(nv):
+                x = xs[v]
+                if x != x:
+                    x = cnan
+                accs[v, c, b, k] = x
+
+
+mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
