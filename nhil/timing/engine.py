@@ -187,7 +187,8 @@ def layer_map(program: Program) -> list[str]:
     ends: dict[str, int] = {}
     for k, v in program.io.get("outputs", {}).items():
         if k.startswith("act.model.layers."):
-            ends[v] = int(k.rsplit(".", 1)[1])
+            ends[v] = int(k.split("@")[0].rsplit(".", 1)[1])  # a prefill program's outputs end in @<token>
+    nlayers = len(set(ends.values()))
     out = []
     cur = 0
     started = False
@@ -197,7 +198,7 @@ def layer_map(program: Program) -> list[str]:
             if h.kernel != "embedding":
                 started = True
         label = f"L{cur}" if started else "embed"
-        if cur >= len(ends) and ends:
+        if cur >= nlayers and ends:
             label = "head"
         out.append(label)
         if ins.op is Op.HOST:
@@ -483,7 +484,7 @@ class TimingEngine:
                 banks = range(base, base + nb) if p.bank == ALL else (base + p.bank,)
                 ready = max(s.act_t[b] for b in banks) + T.nRCDRDMAC
                 k = p.k
-                base = max(ready, s.floor, s.acc_w[k] + T.nCWLREG, s.acc_r[k] + 1)
+                t_min = max(ready, s.floor, s.acc_w[k] + T.nCWLREG, s.acc_r[k] + 1)
                 t = s.col_t
                 gb_w, gb_r, bus = s.gb_w, s.gb_r, s.bus
                 ccd, cwl = T.nCCD, T.nCWLGB
@@ -491,7 +492,7 @@ class TimingEngine:
                 inorder = self.inorder
                 g = p.g
                 for c in range(p.col + g, p.col + p.n + g):  # GB bursts (the row's columns in GB set g / gb bursts)
-                    t = max(t + ccd, base, gb_w[c] + cwl)
+                    t = max(t + ccd, t_min, gb_w[c] + cwl)
                     if inorder and t <= s.last:
                         t = s.last + 1
                     while t in bus:
