@@ -15,15 +15,17 @@ How (``docs/isa.md`` "Prefill extension"):
   offset ``t`` in their ``tok`` byte and bind at ``$pos + t``; each host call records its
   token in ``info["prefill"]["host_token"]`` (the runtime passes it ``$pos + t`` and
   token ``t``).
-* A device run made only of bf16 GEMVs becomes a **multi-token GEMV** on a device with the
-  prefill extension (``DeviceConfig.vectors`` V > 1): per batch of up to V tokens, token
-  ``j``'s input chunk goes to global buffer ``j`` (``WR_GB`` with ``bank = j``) and one
-  ``MAC_ABV`` per weight row serves all V tokens from one row activation, into accumulator
-  set ``j`` (``WR_ACC``/``RD_ACC`` with ``bank = j``). Every output receives the same bursts
-  in the same order as in its decode GEMV, so results are bit-identical.
-* Any other device run (attention over the KV cache, KV appends, quantized GEMVs, which
-  ``MAC_ABV`` does not read) is repeated per token, with the global-buffer contents and
-  ``CFR`` values it inherits from earlier units re-established before each copy.
+* On a device with the prefill extension (``DeviceConfig.vectors`` V > 1) a segment of a device
+  run made of ``WR_GB`` / ``WR_ACC`` / ``RD_ACC`` / bf16 ``MAC_AB`` (GEMVs, and attention's
+  ``q·Kᵀ`` and ``p·V`` over the KV rows) is **lifted**: per batch of up to V tokens, it runs
+  once with token ``j`` in global buffer ``j`` and accumulator set ``j`` (each ``WR_GB`` /
+  ``WR_ACC`` / ``RD_ACC`` once per token with ``bank = j``) and each ``MAC_AB`` as one
+  ``MAC_ABV``: one row activation serves all V tokens. Each set sees exactly the decode
+  step's instruction sequence on its own GB and accumulators, so results are bit-identical.
+  Segments are cut only where no accumulator is live.
+* Other segments (KV appends, quantized GEMVs, which ``MAC_ABV`` does not read) are repeated
+  per token, with the global-buffer contents and ``CFR`` values they inherit re-established
+  before each copy.
 
 Causality: all tokens' K/V appends of a layer precede every token's ``q·Kᵀ`` of that layer,
 so token ``t`` sees later tokens' keys in the cache; its softmax masks every position
@@ -114,7 +116,8 @@ class _Writer:
         self.p, self.T = p, T
         self.instrs: list[Instr] = []
         self.operands: list[Operand] = []
-        self._ix: dict[Operand, int] = {}
+        self._ix: dict[tuple, int] = {}
+        self._renamed_op: dict[tuple[int, int], int] = {}  # (decode operand, token) -> prefill operand
         self.host_ops: list[HostOp] = []
         self.host_token: list[int] = []
         self.buffers = {ZEROS: p.buffers[ZEROS]} if ZEROS in p.buffers else {}
@@ -128,21 +131,24 @@ class _Writer:
         return f"{b}@{t}" if b in self.p.buffers and b != ZEROS else b
 
     def operand(self, buffer: str, offset: int, count: int) -> int:
-        o = Operand(buffer, int(offset), int(count))
-        i = self._ix.get(o)
+        key = (buffer, offset, count)
+        i = self._ix.get(key)
         if i is None:
-            i = self._ix[o] = len(self.operands)
-            self.operands.append(o)
+            i = self._ix[key] = len(self.operands)
+            self.operands.append(Operand(buffer, int(offset), int(count)))
         return i
 
     def renamed(self, ins: Instr, t: int) -> Instr:
         """``ins`` for token ``t``: its operand's buffer renamed, a position template's token offset set."""
-        if ins.operand != NO_OPERAND:
-            o = self.p.operands[ins.operand]
-            ins = ins._replace(operand=self.operand(self.name(o.buffer, t), o.offset, o.count))
-        if ins.flags & (FLAG_POS_SLOT | FLAG_POS_COL):
-            ins = ins._replace(tok=t)
-        return ins
+        op = ins.operand
+        if op != NO_OPERAND:
+            key = (op, t)
+            op = self._renamed_op.get(key)
+            if op is None:
+                o = self.p.operands[ins.operand]
+                op = self._renamed_op[key] = self.operand(self.name(o.buffer, t), o.offset, o.count)
+        tok = t if ins.flags & (FLAG_POS_SLOT | FLAG_POS_COL) else 0
+        return Instr(ins.op, ins.flags, ins.ch, ins.bank, ins.row, ins.col, ins.n, op, ins.k, ins.imm, tok)
 
     def host(self, h: HostOp, t: int) -> None:
         self.host_ops.append(HostOp(h.kernel, tuple(self.name(n, t) for n in h.inputs), tuple(self.name(n, t) for n in h.outputs), dict(h.attrs)))
@@ -183,8 +189,8 @@ def prefill_program(decode: Program, tokens: int) -> Program:
     Returns:
         A validated Program over the same device, bank images and host images;
         ``io["outputs"]`` has ``<name>@<t>`` for every decode output and token; ``info["prefill"]`` gives
-        ``tokens``, ``vectors`` (the MAC_ABV width used, 1 = no multi-token GEMV), ``host_token``
-        (the token of each host call) and ``multi_token_runs`` / ``per_token_runs`` (device runs of each kind).
+        ``tokens``, ``vectors`` (the MAC_ABV width used, 1 = nothing lifted), ``host_token``
+        (the token of each host call) and ``multi_token_runs`` / ``per_token_runs`` (segments lifted / repeated).
     Raises:
         PrefillUnsupported: MoE dispatch, recurrent states, or an accumulator kept across a hand-off.
         CompileError: ``tokens`` out of range.
@@ -192,54 +198,28 @@ def prefill_program(decode: Program, tokens: int) -> Program:
     if not 1 <= tokens <= MAX_TOKENS:
         raise CompileError(f"a prefill program runs 1..{MAX_TOKENS} tokens (the tok byte of a KV-append template), got {tokens}; split the prompt")
     _refuse(decode)
-    from nhil.compiler.schedule import _parse_gemv_run
-    from nhil.timing.engine import kv_row_set
-
     d = decode.device
     T = tokens
     w = _Writer(decode, T)
-    kv_rows = kv_row_set(decode)
-    gb_writer: dict[int, int] = {}  # GB burst -> index of the decode instruction that last wrote it
-    cfr: dict[int, int] = {}  # CFR register -> value in effect in the decode stream (absent = 0)
-    multi = per_token = 0
+    st = _StreamState()
     for kind, u in _units(decode.instrs):
         if kind == "host":
             for t in range(T):
                 w.host(decode.host_ops[u], t)
             continue
-        run = [decode.instrs[i] for i in u]
-        sync = run[-1].op is Op.SYNC
-        body = run[:-1] if sync else run
         _check_closed_accumulators([(i, decode.instrs[i]) for i in u])
-        entry_cfr = dict(cfr)
-        units = _parse_gemv_run(body, kv_rows) if body and d.vectors > 1 and not entry_cfr.get(CFR_W_FMT) else None
-        if units:
-            _multi_token_gemv(w, units, _parse_gemv_run.gb_instr, d.vectors, d.accumulators)  # type: ignore[attr-defined]
-            multi += 1
-        elif body:
-            need = _gb_reads_before_writes(body)
-            prefix = sorted({gb_writer[c] for c in need if c in gb_writer})
-            cur = dict(entry_cfr)
-            for t in range(T):
-                for reg in sorted(set(cur) | set(entry_cfr)):
-                    if cur.get(reg, 0) != entry_cfr.get(reg, 0):
-                        w.instrs.append(Instr(Op.SET_CFR, ALL_CH, k=reg, imm=entry_cfr.get(reg, 0)))
-                cur = dict(entry_cfr)
-                for i in prefix:
-                    w.instrs.append(w.renamed(decode.instrs[i], t))
-                for ins in body:
-                    w.instrs.append(w.renamed(ins, t))
-                    if ins.op is Op.SET_CFR:
-                        cur[ins.k] = ins.imm
-            per_token += 1
+        sync = decode.instrs[u[-1]].op is Op.SYNC
+        body = u[:-1] if sync else u
+        for lift, seg in _segments(decode, body, d.vectors > 1):
+            if lift and not st.cfr.get(CFR_W_FMT) and _closed([decode.instrs[i] for i in seg]) and st.liftable_prefix(decode, seg):
+                _lifted(w, st, seg, d.vectors)
+                st.lifted += 1
+            else:
+                _per_token(w, st, seg)
+                st.per_token += 1
+            st.advance(decode, seg)
         if sync:
             w.instrs.append(Instr(Op.SYNC))
-        for i, ins in zip(u, run):  # the decode stream's GB and CFR state after the run
-            if ins.op in (Op.WR_GB, Op.COPY_BK_GB):
-                for c in range(ins.col, ins.col + ins.n):
-                    gb_writer[c] = i
-            elif ins.op is Op.SET_CFR:
-                cfr[ins.k] = ins.imm
     if w.instrs[-1].op is not Op.SYNC:
         w.instrs.append(Instr(Op.SYNC))
     w.instrs.append(Instr(Op.EOC))
@@ -247,39 +227,111 @@ def prefill_program(decode: Program, tokens: int) -> Program:
     io = {"inputs": {"tokens": f"int64 [{T}]: prompt token ids", "pos": "int64 scalar: cache position of the first token"}, "outputs": outputs}
     info = {k: v for k, v in decode.info.items() if k not in ("schedule",)}
     info["kind"] = "prefill"
-    info["prefill"] = {"tokens": T, "vectors": d.vectors if multi else 1, "host_token": w.host_token,
-                       "multi_token_runs": multi, "per_token_runs": per_token}
+    info["prefill"] = {"tokens": T, "vectors": d.vectors if st.lifted else 1, "host_token": w.host_token,
+                       "multi_token_runs": st.lifted, "per_token_runs": st.per_token}
     prog = Program(d, w.instrs, w.operands, w.host_ops, w.buffers, decode.bank_images, decode.host_images, io, info)
     prog.validate()
     return prog
 
 
-def _multi_token_gemv(w: _Writer, units, gb_instr: dict, vectors: int, accumulators: int) -> None:
-    """Emit a run of GEMV accumulator units for every token, ``vectors`` tokens per row activation (module docstring).
+LIFTABLE = frozenset({Op.WR_GB, Op.WR_ACC, Op.RD_ACC, Op.MAC_AB})  # ops with a per-token (set j) form
 
-    Per batch of up to ``vectors`` tokens and of up to ``accumulators`` units that read the same input
-    chunks (``nhil.compiler.schedule`` ``gemv-batch``): zero accumulator ``k`` of every set, then per chunk
-    one ``WR_GB`` per token into global buffer ``j`` and one ``MAC_ABV`` per unit, then one ``RD_ACC``
-    per unit and set.
-    """
-    groups: dict[tuple, list] = {}
-    for u in units:
-        groups.setdefault(u.sig, []).append(u)
+
+class _StreamState:
+    """The decode stream's global-buffer writers and CFR values, as of the segment being transformed."""
+
+    def __init__(self) -> None:
+        self.gb_writer: dict[int, int] = {}  # GB burst -> index of the decode instruction that last wrote it
+        self.cfr: dict[int, int] = {}  # CFR register -> value in effect (absent = 0)
+        self.lifted = self.per_token = 0
+
+    def advance(self, p: Program, seg: list[int]) -> None:
+        for i in seg:
+            ins = p.instrs[i]
+            if ins.op in (Op.WR_GB, Op.COPY_BK_GB):
+                for c in range(ins.col, ins.col + ins.n):
+                    self.gb_writer[c] = i
+            elif ins.op is Op.SET_CFR:
+                self.cfr[ins.k] = ins.imm
+
+    def liftable_prefix(self, p: Program, seg: list[int]) -> bool:
+        """The GB contents ``seg`` inherits were written by WR_GBs (which can be re-sent into each token's set)."""
+        return all(p.instrs[i].op is Op.WR_GB for i in self.gb_prefix(p, seg))
+
+    def gb_prefix(self, p: Program, seg: list[int]) -> list[int]:
+        """The decode instructions that wrote the GB bursts ``seg`` reads before writing them itself."""
+        need = _gb_reads_before_writes([p.instrs[i] for i in seg])
+        return sorted({self.gb_writer[c] for c in need if c in self.gb_writer})
+
+
+def _segments(p: Program, run: list[int], extension: bool) -> list[tuple[bool, list[int]]]:
+    """A device run cut into segments of liftable instructions (``True``: WR_GB / WR_ACC / RD_ACC of set 0 and
+    MAC_AB, with at least one MAC) and of the others (``False``), cut only where no accumulator is live (zeroed
+    or accumulating and read later), so every accumulator lifetime stays in one segment."""
+    ins = [p.instrs[i] for i in run]
+    live_until: dict[int, int] = {}  # accumulator -> last position of its current lifetime
+    inside = [False] * (len(ins) + 1)  # inside[x]: a lifetime spans the boundary before position x
+    for x, it in enumerate(ins):
+        if it.op in (Op.WR_ACC, Op.MAC_AB, Op.MAC_SB, Op.RD_ACC):
+            if it.op is Op.WR_ACC:
+                live_until[it.k] = x
+            elif it.k in live_until:
+                for y in range(live_until[it.k] + 1, x + 1):
+                    inside[y] = True
+                live_until[it.k] = x
+    out: list[list] = []
+    for x, (i, it) in enumerate(zip(run, ins)):
+        lift = extension and it.op in LIFTABLE and (it.op is Op.MAC_AB or it.bank == 0)
+        if out and (out[-1][0] == lift or inside[x]):
+            out[-1][0] = out[-1][0] and lift
+            out[-1][1].append(i)
+        else:
+            out.append([lift, [i]])
+    return [(lift and any(p.instrs[i].op is Op.MAC_AB for i in seg), seg) for lift, seg in out]
+
+
+def _closed(instrs: list[Instr]) -> bool:
+    """Every accumulator the segment MACs or reads back is zeroed in it first (so each token's set starts from its own zero)."""
+    zeroed: set[int] = set()
+    for ins in instrs:
+        if ins.op is Op.WR_ACC:
+            zeroed.add(ins.k)
+        elif ins.op in (Op.MAC_AB, Op.RD_ACC) and ins.k not in zeroed:
+            return False
+    return True
+
+
+def _lifted(w: _Writer, st: _StreamState, seg: list[int], vectors: int) -> None:
+    """The segment for every token, ``vectors`` tokens at a time, each token in its own global buffer and accumulator
+    set: WR_GB / WR_ACC / RD_ACC once per token with ``bank`` = its set, each MAC_AB as one MAC_ABV (module docstring)."""
+    p = w.p
+    prefix = st.gb_prefix(p, seg)
     for t0 in range(0, w.T, vectors):
         nv = min(vectors, w.T - t0)
-        for sig, us in groups.items():
-            for b0 in range(0, len(us), accumulators):
-                batch = us[b0 : b0 + accumulators]
-                for k, u in enumerate(batch):
-                    for j in range(nv):
-                        w.instrs.append(w.renamed(u.wr, t0 + j)._replace(k=k, bank=j))
-                for c, g in enumerate(sig):
-                    wr = gb_instr[g]
-                    for j in range(nv):
-                        w.instrs.append(w.renamed(wr, t0 + j)._replace(bank=j))
-                    for k, u in enumerate(batch):
-                        mac = u.macs[c][0]
-                        w.instrs.append(Instr(Op.MAC_ABV, mac.flags, mac.ch, row=mac.row, col=mac.col, n=mac.n, k=k, imm=nv))
-                for k, u in enumerate(batch):
-                    for j in range(nv):
-                        w.instrs.append(w.renamed(u.rd, t0 + j)._replace(k=k, bank=j))
+        for i in prefix + seg:
+            ins = p.instrs[i]
+            if ins.op is Op.MAC_AB:
+                w.instrs.append(Instr(Op.MAC_ABV, ins.flags, ins.ch, row=ins.row, col=ins.col, n=ins.n, k=ins.k, imm=nv))
+            else:
+                for j in range(nv):
+                    w.instrs.append(w.renamed(ins, t0 + j)._replace(bank=j))
+
+
+def _per_token(w: _Writer, st: _StreamState, seg: list[int]) -> None:
+    """The segment once per token, with the GB contents and CFR values it inherits re-established before each copy."""
+    p = w.p
+    prefix = st.gb_prefix(p, seg)
+    entry = dict(st.cfr)
+    cur = dict(entry)
+    for t in range(w.T):
+        for reg in sorted(set(cur) | set(entry)):
+            if cur.get(reg, 0) != entry.get(reg, 0):
+                w.instrs.append(Instr(Op.SET_CFR, ALL_CH, k=reg, imm=entry.get(reg, 0)))
+        cur = dict(entry)
+        for i in prefix:
+            w.instrs.append(w.renamed(p.instrs[i], t))
+        for i in seg:
+            ins = p.instrs[i]
+            w.instrs.append(w.renamed(ins, t))
+            if ins.op is Op.SET_CFR:
+                cur[ins.k] = ins.imm

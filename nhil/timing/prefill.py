@@ -82,3 +82,26 @@ def _weight_bytes(program) -> int:
     if use:
         return sum(2 * a * b for a, b in use.values())
     return 0
+
+
+PREFILL_CONFIGS = (("smollm2-135m", 64), ("llama3-8b", 16))  # (shape-only config, prompt tokens): the 8B at 16 keeps the engine near 2 min
+
+
+def bench_prefill(configs=PREFILL_CONFIGS, gpu_gbs: float = GPU_HBM_GBS) -> list[dict]:
+    """:func:`prefill_timing` of each shape-only config (``nhil.compiler.shape_only``, aim-like, KV cache of 128)."""
+    from nhil.compiler.pipeline import compile_shapes
+
+    return [prefill_timing(compile_shapes(name, max_cache_len=128), tokens, gpu_gbs=gpu_gbs) for name, tokens in configs]
+
+
+def prefill_rich_table(rows: list[dict]):
+    """A ``rich`` table of :func:`bench_prefill` results."""
+    from rich.table import Table
+
+    t = Table(title="Modelled prefill (timing model, aim-like with the prefill extension: 16 tokens per row activation)")
+    for c in ("config", "prompt", "TTFT", "prefill tok/s", "x prompt as decode steps", "host+SYNC share", "GPU roofline TTFT", "instructions"):
+        t.add_column(c, justify="right" if c not in ("config",) else "left")
+    for r in rows:
+        t.add_row(r["model"], str(r["tokens"]), f"{r['ttft_ms']:.2f} ms", f"{r['prefill_tokens_per_s']:,.0f}", f"{r['speedup_vs_per_token']:.2f}",
+                  f"{r['host_and_sync_fraction']:.3f}", f"{r['gpu_ttft_ms']:.3f} ms", f"{r['prefill_instructions']:,}")
+    return t
