@@ -198,3 +198,23 @@ def test_teacher_forced_run_with_prefill_equals_per_token_run():
     b = run_teacher_forced(r, prompt, gold, prefill=pf)
     assert np.array_equal(a.logits.view(np.uint32), b.logits.view(np.uint32))
     assert a.acts.keys() == b.acts.keys() and all(np.array_equal(a.acts[k], b.acts[k]) for k in a.acts)
+
+
+def test_verify_runs_the_prompt_as_a_prefill_program_and_checks_its_outputs(tmp_path, monkeypatch):
+    """verify's prompt goes through the prefill program (report), and a MAC_ABV bug is caught by the tight
+    tier at a prompt position, where only the prefill program ran."""
+    from nhil.targets.sim import kernels
+    from nhil.verify import VerifyOptions, verify
+
+    dirs = dict(goldens_dir=tmp_path / "goldens", runs_dir=tmp_path / "runs")
+    rep = verify(VerifyOptions(model="llama-tiny", target="sim", tokens=2, **dirs))
+    assert rep["outcome"] == "PASS", rep.get("error") or rep["checks"]
+    n = len(rep["prompt_ids"])
+    assert rep["prefill"]["mode"] == "program" and rep["prefill"]["tokens"] == n and rep["prefill"]["vectors"] == 16
+    assert "ran as one prefill program" in open(rep["run_dir"] + "/report.md").read()
+    real = kernels.mac_bf16_vec
+    monkeypatch.setattr(kernels, "mac_bf16_vec", lambda mem, gbs, accs, c0, c1, s, k, col, n_, nv: real(mem, gbs, accs, c0, c1, s, k, col, max(1, n_ - 1), nv))
+    bad = verify(VerifyOptions(model="llama-tiny", target="sim", tokens=2, **dirs))
+    assert bad["outcome"] == "MISMATCH" and "tight" in bad["failed_tier"]
+    fd = bad["tight"]["first_difference"]
+    assert fd["position"] < n, fd  # inside the prompt: the prefill program's output
