@@ -218,3 +218,17 @@ def test_verify_runs_the_prompt_as_a_prefill_program_and_checks_its_outputs(tmp_
     assert bad["outcome"] == "MISMATCH" and "tight" in bad["failed_tier"]
     fd = bad["tight"]["first_difference"]
     assert fd["position"] < n, fd  # inside the prompt: the prefill program's output
+
+
+def test_targets_without_the_extension_refuse_mac_abv_and_get_a_prefill_program_without_it():
+    from nhil.errors import LoadError
+    from nhil.numerics.formats import DEVICE_FORMATS
+    from nhil.targets.base import DEVICE_OPS, Capabilities, check_program_fits
+
+    prog = _compile("llama-tiny")
+    caps = Capabilities(0, DEVICE_OPS, DEVICE_FORMATS, prog.device)  # what the RTL and the FPGA board claim
+    with pytest.raises(LoadError, match="does not implement MAC_ABV"):
+        check_program_fits(prefill_program(prog, 4), caps, "fpga")
+    plain = prefill_program(prog, 4, extension=False)
+    check_program_fits(plain, caps, "fpga")
+    assert Op.MAC_ABV not in plain.required_ops()

@@ -179,13 +179,15 @@ def _check_closed_accumulators(instrs: list[tuple[int, Instr]]) -> None:
             raise PrefillUnsupported(f"instruction {i} ({ins.op.name}) uses accumulator {ins.k} across a host hand-off; the prompt is prefilled token by token")
 
 
-def prefill_program(decode: Program, tokens: int) -> Program:
+def prefill_program(decode: Program, tokens: int, extension: bool = True) -> Program:
     """The prefill program of ``tokens`` prompt tokens for a compiled decode step (module docstring).
 
     Args:
         decode: a decode-step Program (``nhil.compiler.pipeline.compile``), bf16 or quantized; shape-only
             programs (timing only) are accepted too.
         tokens: prompt tokens ``T`` per run, ``1 <= T <= 255``.
+        extension: use the prefill extension (``MAC_ABV``) if the device has it; False: every segment is
+            repeated per token (for a target that does not claim ``MAC_ABV``).
     Returns:
         A validated Program over the same device, bank images and host images;
         ``io["outputs"]`` has ``<name>@<t>`` for every decode output and token; ``info["prefill"]`` gives
@@ -210,7 +212,7 @@ def prefill_program(decode: Program, tokens: int) -> Program:
         _check_closed_accumulators([(i, decode.instrs[i]) for i in u])
         sync = decode.instrs[u[-1]].op is Op.SYNC
         body = u[:-1] if sync else u
-        for lift, seg in _segments(decode, body, d.vectors > 1):
+        for lift, seg in _segments(decode, body, extension and d.vectors > 1):
             if lift and not st.cfr.get(CFR_W_FMT) and _closed([decode.instrs[i] for i in seg]) and st.liftable_prefix(decode, seg):
                 _lifted(w, st, seg, d.vectors)
                 st.lifted += 1

@@ -34,18 +34,21 @@ class StepOutputs:
 
 def prefill_runner(runner: Runner, tokens: int) -> tuple[Runner | None, str]:
     """A Runner of the prefill program of ``tokens`` prompt tokens for ``runner``'s decode program, on the same
-    target and device state, or ``(None, reason)`` when the program or the target cannot prefill at once
-    (MoE dispatch, recurrent states, more than 255 tokens, an opcode the target does not claim)."""
+    target and device state (with ``MAC_ABV`` only if the target claims it), or ``(None, reason)`` when the
+    program cannot prefill at once (MoE dispatch, recurrent states, more than 255 tokens)."""
     from nhil.compiler.prefill import MAX_TOKENS, PrefillUnsupported, prefill_program
     from nhil.targets.base import unclaimed
 
     if not 1 < tokens <= MAX_TOKENS:
         return None, f"{tokens} prompt tokens (a prefill program runs 2..{MAX_TOKENS})"
+    from nhil.isa.instr import Op
+
+    caps = runner.t.capabilities()
     try:
-        prog = prefill_program(runner.p, tokens)
+        prog = prefill_program(runner.p, tokens, extension=Op.MAC_ABV in caps.ops)
     except PrefillUnsupported as e:
         return None, str(e)
-    missing = unclaimed(prog, runner.t.capabilities())
+    missing = unclaimed(prog, caps)
     if missing:
         return None, f"target {runner.t.name} does not implement {', '.join(missing)}"
     pf = Runner(prog, runner.t)
