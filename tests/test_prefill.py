@@ -232,3 +232,14 @@ def test_targets_without_the_extension_refuse_mac_abv_and_get_a_prefill_program_
     plain = prefill_program(prog, 4, extension=False)
     check_program_fits(plain, caps, "fpga")
     assert Op.MAC_ABV not in plain.required_ops()
+
+
+def test_a_prefill_program_round_trips_through_pimb_and_pims():
+    from nhil.isa.asm import assemble, disassemble
+    from nhil.isa.program import Program
+
+    pf = prefill_program(_compile("llama-tiny"), 3)
+    blob = pf.encode()
+    back = Program.decode(blob)
+    assert back.instrs == pf.instrs and any(i.tok for i in back.instrs) and any(i.op is Op.MAC_ABV for i in back.instrs)
+    assert assemble(disassemble(back, full=True)).encode() == blob
