@@ -13,6 +13,8 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
   every vector.
 * **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
   distinct locations become one scatter into the bank state.
+* **WR_GB, WR_ACC, RD_ACC** are executed here without the per-instruction bounds table once their
+  word has passed it (cached), with ``PimState.step``'s semantics (set selection, bf16 readback).
 * Everything else (and quantized MACs, whose decoded rows ``PimState`` already caches per
   (row, format)) is ``PimState.step``.
 """
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from nhil.isa.instr import ALL_CH, CFR_W_FMT, Op
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Op
+from nhil.isa.semantics import check_instr
+from nhil.numerics.bf16 import round_to_bf16
 from nhil.targets.sim import kernels
 from nhil.targets.sim.device import PimState
 
@@ -51,6 +55,14 @@ class FastPimState(PimState):
             if op is Op.MAC_ABV and kernels.AVAILABLE and self._mac_v(ins):
                 i += 1
                 continue
+            if op is Op.WR_GB or op is Op.WR_ACC or op is Op.RD_ACC:
+                r = self._gb_acc(idx, ins, payload)
+                if r is not False:
+                    if r is not None:
+                        out.append(r)
+                        digest.add(r)
+                    i += 1
+                    continue
             if op is Op.WR_SBK:
                 j = i + 1
                 while j < n and block[j][1].op is Op.WR_SBK:
@@ -95,6 +107,39 @@ class FastPimState(PimState):
         kernels.mac_bf16(self.mem, self.gb, self.acc, c0, c1, b0, b1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n)
         self.macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
         return True
+
+    def _gb_acc(self, idx, ins, payload):
+        """WR_GB / WR_ACC / RD_ACC as ``PimState.step`` does them (readback array or None); False when ``step`` must
+        run it (its word not yet checked against the device, or a payload of another size)."""
+        d = self.d
+        v = self._mac_ok.get(ins)
+        if v is None:
+            if check_instr(ins, d):
+                return False
+            c0, c1 = (0, d.channels) if ins.flags & ALL_CH else (ins.ch, ins.ch + 1)
+            v = self._mac_ok[ins] = (c0, c1, 0, 0)
+        c0, c1 = v[0], v[1]
+        op = ins.op
+        if op is Op.WR_GB:
+            n = ins.n * d.lanes
+            if payload is None or payload.size != n or payload.dtype != np.uint16:
+                return False
+            self.gbs[ins.bank, c0:c1, ins.col * d.lanes : ins.col * d.lanes + n] = payload
+        elif op is Op.WR_ACC:
+            if payload is None or payload.size != ins.n or payload.dtype != np.float32:
+                return False
+            acc = self.accs[ins.bank]
+            flat = acc[c0:c1, :, ins.k].reshape(-1)
+            flat[ins.col : ins.col + ins.n] = payload
+            acc[c0:c1, :, ins.k] = flat.reshape(c1 - c0, d.banks)
+        else:
+            out = self.accs[ins.bank, c0:c1, :, ins.k].reshape(-1)[ins.col : ins.col + ins.n].copy()
+            if self.cfr[c0, CFR_ACC_RD_FMT] == 1:
+                out = round_to_bf16(out)
+            self.counts["RD_ACC"] = self.counts.get("RD_ACC", 0) + 1
+            return out
+        self.counts[op.name] = self.counts.get(op.name, 0) + 1
+        return None
 
     def _mac_v(self, ins) -> bool:
         """One MAC_ABV through the kernel; False (nothing done) when it needs ``step`` (bad fields, quantized rows)."""
