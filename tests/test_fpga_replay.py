@@ -184,7 +184,7 @@ def test_every_failed_outcome_keeps_the_link_counters_and_a_failed_check(tmp_pat
     from nhil.verify import VerifyOptions, verify
 
     dirs = dict(goldens_dir=tmp_path / "g", runs_dir=tmp_path / "runs")
-    rep = verify(VerifyOptions(model="llama-tiny", target="fpga", tokens=3, target_options={"faults": "reset_after=150"}, **dirs))
+    rep = verify(VerifyOptions(model="llama-tiny", target="fpga", tokens=3, target_options={"faults": "reset_after=100"}, **dirs))
     assert rep["outcome"] == "LINK_FAIL" and "board reset detected" in rep["error"], rep.get("error")
     link = rep["target_stats"]["link"]
     assert link["frames_tx"] > 0 and link["frames_rx"] > 0

@@ -149,6 +149,7 @@ def test_prefill_with_quantized_weights_and_a_device_without_the_extension():
     """Quantized GEMVs stay per-token MAC_ABs; on a device with vectors = 1 no MAC_ABV is emitted at all."""
     a, b = _per_token_and_prefill(_compile("llama-tiny", "q4_1:lm_head=mxfp4"), [5, 17, 3, 99])
     _assert_same(a, b)
+    _assert_same(*_per_token_and_prefill(_compile("llama-tiny", "bf16:kv_cache=fp8"), [5, 17, 3, 99]))  # raw-word K rows, byte Vᵀ appends
     prog = _compile("llama-tiny", device="fpga-small")
     pf = prefill_program(prog, 4)
     assert Op.MAC_ABV not in pf.required_ops() and pf.info["prefill"]["vectors"] == 1

@@ -229,6 +229,8 @@ def prefill_program(decode: Program, tokens: int, extension: bool = True) -> Pro
     io = {"inputs": {"tokens": f"int64 [{T}]: prompt token ids", "pos": "int64 scalar: cache position of the first token"}, "outputs": outputs}
     info = {k: v for k, v in decode.info.items() if k not in ("schedule",)}
     info["kind"] = "prefill"
+    if "raw_buffers" in info:  # buffers sent as raw 16-bit words (fp8 KV rows): every token's copy
+        info["raw_buffers"] = sorted(w.name(b, t) for b in info["raw_buffers"] for t in range(T))
     info["prefill"] = {"tokens": T, "vectors": d.vectors if st.lifted else 1, "host_token": w.host_token,
                        "multi_token_runs": st.lifted, "per_token_runs": st.per_token}
     prog = Program(d, w.instrs, w.operands, w.host_ops, w.buffers, decode.bank_images, decode.host_images, io, info)
