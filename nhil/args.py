@@ -8,7 +8,7 @@ code :data:`EXIT_USAGE`, no report folder, no traceback file):
 
 * names are never paths: model, target, quant recipe and device preset (the board's
   device) must be names of their registries (``nhil.models``, ``nhil.targets``,
-  ``nhil.compiler.quantize``, ``nhil.isa.DEVICE_PRESETS``); a ``/``, ``..``, NUL or any
+  ``nhil.compiler.quantize_recipe``, ``nhil.isa.DEVICE_PRESETS``); a ``/``, ``..``, NUL or any
   character outside :data:`NAME_PATTERN` is refused before a registry lookup;
 * the quant recipe parses and fits the model (``native`` needs a GGUF checkpoint);
 * the prompt has the model's form (text with a tokenizer, comma-separated ids in
@@ -81,13 +81,13 @@ def safe_component(text: str, limit: int = 64) -> str:
 
 
 def check_quant(recipe: str, model: str | None = None) -> str:
-    """The recipe if it parses (``nhil.compiler.quantize.parse_recipe``) and fits ``model``.
+    """The recipe if it parses (``nhil.compiler.quantize_recipe.parse_recipe``) and fits ``model``.
 
     Raises:
         UsageError: unknown base or format, malformed override, or ``native`` for a model
             whose registration has no GGUF checkpoint.
     """
-    from nhil.compiler.quantize import parse_recipe
+    from nhil.compiler.quantize_recipe import parse_recipe
     from nhil.errors import CompileError
 
     if not isinstance(recipe, str) or "\x00" in recipe or not recipe.strip():

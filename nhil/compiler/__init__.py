@@ -5,7 +5,7 @@ pattern-matches them exactly into nhil primitives (``primitives.py``) and
 ``check_raised_exact`` proves the raised graph bit-identical on example inputs.
 
 The names below are imported on first use (PEP 562 ``__getattr__``), so that torch-free
-submodules (``nhil.compiler.quantize``'s recipe grammar, read by ``nhil.args`` before any
+submodules (``nhil.compiler.quantize_recipe``, the recipe grammar read by ``nhil.args`` before any
 work starts) do not pay for importing torch; ``raising`` imports ``primitives`` itself, which
 registers ``torch.ops.nhil.*``.
 """

@@ -139,7 +139,7 @@ def _rope_cos_sin(a: dict) -> Iterator[Violation]:
 
 @_check("rope")
 def _rope(a: dict) -> Iterator[Violation]:
-    from nhil.compiler.primitives import ROPE_STYLES
+    from nhil.compiler.primitives_rope import ROPE_STYLES
 
     yield from _at_least(a, "head_dim", 2)
     yield from _one_of(a, "style", ROPE_STYLES)
@@ -175,7 +175,7 @@ def _none(a: dict) -> Iterator[Violation]:
 
 @_check("gelu")
 def _gelu(a: dict) -> Iterator[Violation]:
-    from nhil.compiler.primitives import GELU_VARIANTS
+    from nhil.compiler.primitives_dense import GELU_VARIANTS
 
     yield from _one_of(a, "variant", GELU_VARIANTS)
 

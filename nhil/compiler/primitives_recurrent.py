@@ -26,7 +26,7 @@ bit-identical to the exported one (``nhil.compiler.check``).
   key heads shared by ``num_v_heads / num_k_heads`` value heads; ``nhil::concat`` joins
   the q/k/v projections before their short conv.
 
-Layouts follow ``primitives.py``: token-major ``[B, 1, features]`` activations, multi-head
+Layouts follow ``primitives_lib.py``: token-major ``[B, 1, features]`` activations, multi-head
 tensors flat. States keep the cache's shapes: conv ``[B, channels, kernel]``, SSM
 ``[B, heads, head_dim, state_size]``; both fp32, mutated in place (``Tensor(a!)``).
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nhil.compiler.primitives import LIB, _fake, _impl
+from nhil.compiler.primitives_lib import _fake, _impl, define
 
 _SCHEMAS = {
     "causal_conv1d_update": (
@@ -54,10 +54,7 @@ _SCHEMAS = {
         "int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim, float beta_scale=1.0, bool qk_l2norm=True) -> Tensor"
     ),
 }
-for _schema in _SCHEMAS.values():
-    LIB.define(_schema)
-
-PRIMITIVES = tuple(_SCHEMAS)
+PRIMITIVES = define(_SCHEMAS)
 ACTIVATIONS = {"silu": F.silu, "none": None}
 DECAYS = ("scalar_per_head",)
 

@@ -137,7 +137,7 @@ def masked_softmax(inputs, outputs, ctx, num_heads: int, max_len: int, scale: fl
     ``c * tanh(s / c)`` to the scaled logits first (Gemma 2). Masked keys get exactly 0.
     ``sinks`` (GPT-OSS): ``inputs[2]`` holds one sink logit per head, appended as an extra
     column; ``softmax(s - max)`` over keys + sink, sink column dropped
-    (``primitives._attend_sinks``), so the probabilities of a row sum to less than 1.
+    (``primitives_attention._attend_sinks``), so the probabilities of a row sum to less than 1.
     """
     from nhil.compiler.primitives import visible_mask
 

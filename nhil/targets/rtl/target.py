@@ -14,6 +14,9 @@ default ``rtl-tiny``; ``channels`` instances of ``pim_channel`` in ``pim_device`
 lane 5 of the weight decoder reads the E2M1 code 0x1 as 1.0; ``"channel1"``: ``INJECT_CHANNEL_BUG``,
 channel 1's MAC units add nothing of bank 3's row), ``keep_run`` (keep the
 run folder after a clean close), ``timeout`` (seconds per request).
+
+What the RTL implements and how it is built: :mod:`nhil.targets.rtl.spec`; the backdoor bank images:
+:mod:`nhil.targets.rtl.images`; the run-time instruction checks: :mod:`nhil.targets.rtl.checks`.
 """
 
 from __future__ import annotations
@@ -31,82 +34,24 @@ from pathlib import Path
 
 import numpy as np
 
-from nhil.errors import LoadError, RunError, SetupError
+from nhil.errors import RunError, SetupError
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
-from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, OPINFO, Instr, Op
+from nhil.isa.instr import ALL_CH, OPINFO, Instr, Op
 from nhil.isa.program import Program
-from nhil.numerics.formats import FORMATS
-from nhil.numerics.mac import LANES
-from nhil.isa.semantics import check_instr
-from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
+from nhil.targets.base import Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.rtl import proto
-from nhil.targets.rtl.build import REPO, RTL_DIR, SIM_SOURCES, SIM_TOP, BuildSpec, ensure_build, runs_root
-
-RTL_OPS = DEVICE_OPS  # every non-reserved ISA v0 device opcode
-# Weight formats the RTL's MAC lanes decode (rtl_stubs/pim_wdec.sv, pim_fp_pkg::wfmt_fetch): every
-# device format of nhil.numerics.formats.FORMATS, on devices with 16 MAC lanes (the formats' burst); bf16 on others.
-# The pre-quantized checkpoint formats (formats.PREQUANT: int4 fp32-scale groups, FP8 block, nvfp4-gs) are not decoded.
-RTL_FORMATS = frozenset({"bf16", *FORMATS})
-INJECTED_BUGS = {"rne": "INJECT_RNE_BUG", "decode": "INJECT_DECODE_BUG", "channel1": "INJECT_CHANNEL_BUG"}
-
-
-MAX_CHANNELS = 8  # pim_device: every channel's banks are one Verilator model; more is a slow, large build
-
-
-def rtl_formats(d: DeviceConfig) -> frozenset[str]:
-    """Weight formats the RTL implements for device ``d`` (quantized formats need ``lanes == 16``)."""
-    return RTL_FORMATS if d.lanes == LANES else frozenset({"bf16"})
-
-
-def bug_name(v) -> str | None:
-    """Normalise an ``inject_bug`` option: None (no bug), ``"rne"`` (True, "1", "rne"), ``"decode"`` or ``"channel1"``.
-
-    Raises:
-        SetupError: an unknown bug name.
-    """
-    if isinstance(v, str):
-        key = v.strip().lower()
-        if key in INJECTED_BUGS:
-            return key
-        if not _flag(key):
-            return None
-        if key in ("1", "true", "yes", "on"):
-            return "rne"
-        raise SetupError(f"rtl: unknown inject_bug {v!r}; use one of {', '.join(INJECTED_BUGS)} (or 1 = rne)")
-    return "rne" if v else None
-
-
-def channel_spec(d: DeviceConfig, simulator: str = "verilator", waves: bool = False, inject_bug: bool | str | None = None) -> BuildSpec:
-    """BuildSpec of the simulation top (``pim_sim_top``: ``pim_device`` of ``d.channels`` ``pim_channel``
-    instances + datapath probe) for device ``d`` (``inject_bug``: see :func:`bug_name`)."""
-    params = (("CHANNELS", d.channels), ("BANKS", d.banks), ("ROWS", d.rows), ("COLS", d.cols), ("LANES", d.lanes), ("ACCS", d.accumulators), ("GB_ELEMS", d.gb_elems))
-    bug = bug_name(inject_bug)
-    defines = ((INJECTED_BUGS[bug], "1"),) if bug else ()
-    # Verilator: trace support is always compiled in (FST, or VCD without lz4 headers) and
-    # switched on per run, so WAVES=1 never needs another build. Icarus: waves are a build option.
-    build_waves = True if simulator == "verilator" else waves
-    return BuildSpec(SIM_TOP, tuple(str(RTL_DIR / s) for s in SIM_SOURCES), params, defines, simulator, build_waves)
-
-
-def _flag(v) -> bool:
-    """Boolean option; strings from ``-O key=value`` ("0", "false", "no", "off", "") are false."""
-    if isinstance(v, str):
-        return v.strip().lower() not in ("", "0", "false", "no", "off")
-    return bool(v)
-
-
-def _check_device(d: DeviceConfig) -> None:
-    problems = []
-    if not 1 <= d.channels <= MAX_CHANNELS:
-        problems.append(f"channels={d.channels} (pim_device builds 1 to {MAX_CHANNELS} channels)")
-    if d.lanes & (d.lanes - 1) or d.lanes < 8:
-        problems.append(f"lanes={d.lanes} (a power of two >= 8)")
-    if d.cols % d.lanes or d.gb_elems % d.lanes:
-        problems.append("cols and gb_elems must be multiples of lanes")
-    if d.banks < 2 or d.accumulators < 2:
-        problems.append("banks and accumulators must be >= 2")
-    if problems:
-        raise SetupError(f"device {d.name} cannot be built as RTL: {'; '.join(problems)}")
+from nhil.targets.rtl.build import REPO, ensure_build, runs_root
+from nhil.targets.rtl.checks import check_rtl_instr
+from nhil.targets.rtl.images import write_bank_images
+from nhil.targets.rtl.spec import (  # noqa: F401  (RTL_FORMATS, rtl_formats re-exported: the fpga emulator, tests)
+    RTL_FORMATS,
+    RTL_OPS,
+    _check_device,
+    _flag,
+    bug_name,
+    channel_spec,
+    rtl_formats,
+)
 
 
 class RtlTarget(Target):
@@ -307,102 +252,14 @@ class RtlTarget(Target):
         self._reset_counters()
         self._cfr[:] = 0
         self._loaded = True
-
     def _write_images(self, program: Program) -> None:
-        """Bank images for the backdoor (``docs/rtl-interface.md``): binary ``.seg``/``.bin`` or ``.hex``."""
-        d = self.d
-        t0 = time.perf_counter()
-        mem = self.run_dir / "mem"
-        for f in mem.iterdir():
-            f.unlink()
-        rows = sorted((img for img in program.bank_images if img.data is not None), key=lambda img: img.row)
-        for img in rows:
-            shape = np.shape(img.data)
-            if shape != (d.channels, d.banks, d.cols):
-                raise LoadError(f"bank image of row {img.row} has shape {shape}, expected {(d.channels, d.banks, d.cols)}")
-        # contiguous runs of rows -> (first row, number of rows)
-        runs: list[list[int]] = []
-        for img in rows:
-            if runs and runs[-1][0] + runs[-1][1] == img.row:
-                runs[-1][1] += 1
-            else:
-                runs.append([img.row, 1])
-        nbytes = 0
-        if self.image_format == "bin":
-            seg = "".join(f"{r * self.bursts} {n * self.bursts}\n" for r, n in runs)
-            chunk = 1024  # rows per conversion chunk (bounds the temporary memory)
-            # bank files are named by slot (ch * banks + bank, pim_bank's BANK_ID)
-            files = [open(mem / f"bank{b}.bin", "wb") for b in range(d.slots)]
-            try:
-                for i in range(0, len(rows), chunk):
-                    block = np.stack([np.asarray(img.data, np.uint16).reshape(d.slots, d.cols) for img in rows[i : i + chunk]])  # (R, slots, cols)
-                    # one burst = BW/8 bytes, most significant first: lane L-1 first, big-endian bf16
-                    be = block.reshape(len(block), d.slots, self.bursts, self.L)[..., ::-1].astype(">u2")
-                    for b in range(d.slots):
-                        data = np.ascontiguousarray(be[:, b]).tobytes()
-                        files[b].write(data)
-                        nbytes += len(data)
-            finally:
-                for f in files:
-                    f.close()
-            for b in range(d.slots):
-                (mem / f"bank{b}.seg").write_text(seg)
-        else:
-            w = 4 * self.L
-            for b in range(d.slots):
-                lines = ["// nhil bank image (one burst per line, lane 0 in the low 16 bits)"]
-                for img in rows:
-                    bursts = np.ascontiguousarray(np.asarray(img.data, np.uint16).reshape(d.slots, d.cols)[b].reshape(self.bursts, self.L)[:, ::-1]).astype(">u2")
-                    hx = bursts.tobytes().hex()
-                    lines.append(f"@{img.row * self.bursts:x}")
-                    lines.extend(hx[i : i + w] for i in range(0, len(hx), w))
-                text = "\n".join(lines) + "\n"
-                nbytes += len(text)
-                (mem / f"bank{b}.hex").write_text(text)
-        self.load_info = {"rows": len(rows), "segments": len(runs), "format": self.image_format, "bytes": nbytes,
-                          "write_s": round(time.perf_counter() - t0, 3)}
+        """Bank images for the backdoor into the run folder's ``mem/`` (:func:`nhil.targets.rtl.images.write_bank_images`)."""
+        self.load_info = write_bank_images(self.run_dir / "mem", program, self.d, self.image_format)
 
     # ------------------------------------------------------------------ execute
-    def _err(self, idx: int, ins: Instr, msg: str) -> RunError:
-        return RunError(f"instruction {idx} ({ins.op.name}): {msg}")
-
     def _check(self, idx: int, ins: Instr, payload) -> None:
-        """The simulator's run-time checks: the device-semantics table (``nhil.isa.semantics``), then the payload."""
-        d, op = self.d, ins.op
-        if op not in RTL_OPS:
-            raise self._err(idx, ins, "opcode not implemented by the RTL target (reserved in ISA v0)" if op is not Op.HOST else "HOST is not a device instruction")
-        why = check_instr(ins, d)
-        if why:
-            raise self._err(idx, ins, why)
-        if op is Op.SET_CFR and ins.k == CFR_W_FMT and ins.imm != 0 and d.lanes != LANES:  # the RTL decodes quantized rows on 16-lane devices only
-            raise self._err(idx, ins, f"weight format code 0x{ins.imm:x}: quantized formats need {LANES} lanes on the RTL (device has {d.lanes})")
-        self._check_cfr(idx, ins)
-        need = {Op.WR_ACC: (ins.n, np.float32), Op.WR_GB: (ins.n * d.lanes, np.uint16), Op.WR_SBK: (d.lanes, np.uint16),
-                Op.WR_ABK: (ins.n * d.lanes, np.uint16)}.get(op)
-        if need is not None and (payload is None or payload.size != need[0] or payload.dtype != need[1]):
-            got = "none" if payload is None else f"{payload.size} x {payload.dtype}"
-            raise self._err(idx, ins, f"payload must be {need[0]} x {np.dtype(need[1])}, got {got}")
-
-    def _check_cfr(self, idx: int, ins: Instr) -> None:
-        """Track CFR per channel; refuse what the channels cannot agree on (each channel of ``pim_device``
-        reads its own CFRs). MAC with W_FMT: the simulator's rule (every addressed channel the same
-        format). RD_ACC of ALL_CH: the simulator rounds every slot by channel 0's ACC_RD_FMT, the
-        device each channel by its own, so the addressed channels must agree."""
-        op, cfr = ins.op, self._cfr
-        chans = slice(None) if ins.flags & ALL_CH else slice(ins.ch, ins.ch + 1)
-        if op is Op.SET_CFR:
-            cfr[chans, ins.k] = ins.imm
-        elif op in (Op.MAC_AB, Op.MAC_SB):
-            wf = cfr[chans, CFR_W_FMT]
-            if wf.any() and not (wf == wf[0]).all():
-                raise self._err(idx, ins, "the addressed channels have different CFR W_FMT values")
-        elif op is Op.RD_ACC and ins.flags & ALL_CH:
-            first, last = ins.col // self.d.banks, (ins.col + ins.n - 1) // self.d.banks
-            fmt = cfr[[0, *range(first, last + 1)], CFR_ACC_RD_FMT]
-            if not (fmt == fmt[0]).all():
-                raise self._err(idx, ins, f"ALL_CH RD_ACC of channels {first}..{last}: their CFR ACC_RD_FMT {fmt[1:].tolist()} differ from "
-                                          f"channel 0's {fmt[0]} (the simulator rounds by channel 0's, each RTL channel by its own; "
-                                          "set ACC_RD_FMT with ALL_CH)")
+        """The simulator's run-time checks (:func:`nhil.targets.rtl.checks.check_rtl_instr`), tracking this run's CFRs."""
+        check_rtl_instr(idx, ins, payload, self.d, self._cfr)
 
     def _encode(self, block: list[ResolvedInstr]) -> tuple[bytes, list[tuple[int, Instr, int]]]:
         """Beats for the command port, and (index, instr, readback beats) per data-out instruction."""
