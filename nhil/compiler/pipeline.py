@@ -36,7 +36,7 @@ import dataclasses
 import time
 from typing import Any, Callable, ContextManager, Iterable
 
-from nhil.compiler.schedule import PASS_INFO, PIPELINE, PassInfo
+from nhil.compiler.schedule import ORDER, PASS_INFO, PIPELINE, PassInfo
 from nhil.errors import CompileError, NhilError, SetupError
 
 DEFAULT_PASSES: tuple[str, ...] = PIPELINE  # every scheduling pass, in pipeline order
@@ -86,8 +86,8 @@ class PassManager:
         passes = list(passes)
         bad = [n for n in passes if n not in PASS_INFO]
         if bad:
-            raise SetupError(f"unknown scheduling pass(es) {', '.join(map(repr, bad))}; passes: {', '.join(PIPELINE)}")
-        self.passes: tuple[str, ...] = tuple(n for n in PIPELINE if n in set(passes))
+            raise SetupError(f"unknown scheduling pass(es) {', '.join(map(repr, bad))}; passes: {', '.join(ORDER)}")
+        self.passes: tuple[str, ...] = tuple(n for n in ORDER if n in set(passes))
         self.log: list[PassRecord] = []
 
     @property

@@ -234,6 +234,7 @@ class PassInfo:
     does: str
     baseline: str
     fn: Callable[[Program], Program] | None = None
+    default: bool = True  # in the default pipeline (PIPELINE); opt-in passes (False) reorder or change the zoo programs
 
 
 PASS_INFO: dict[str, PassInfo] = {
@@ -244,7 +245,20 @@ PASS_INFO: dict[str, PassInfo] = {
     "gemv-batch": PassInfo("gemv-batch", "program", "accumulator batches span matrices that share an input (q/k/v, gate/up)", "batches of one matrix at a time", gemv_batch),
     "gb-overlap": PassInfo("gb-overlap", "command", "WR_GB / RD_ACC / WR_ACC bursts interleaved with MAC bursts", "commands issue in program order (GB writes serialised with MACs)"),
 }
-PIPELINE: tuple[str, ...] = tuple(PASS_INFO)  # the default pipeline: every pass, in this order
+
+
+def _host_overlap(p: Program) -> Program:
+    from nhil.compiler.host_overlap import host_overlap
+
+    return host_overlap(p)
+
+
+# opt-in passes (issue 17 item 4; not in the default pipeline: they reorder / change the zoo programs)
+PASS_INFO["host-overlap"] = PassInfo("host-overlap", "program", "device work independent of a host kernel moved next to it; the timing model overlaps them",
+                                     "host kernels and hand-offs idle the device", _host_overlap, default=False)
+ORDER: tuple[str, ...] = tuple(PASS_INFO)  # every pass, in the order a pass list runs them
+PIPELINE: tuple[str, ...] = tuple(n for n in ORDER if PASS_INFO[n].default)  # the default pipeline, in this order
+OPT_IN: tuple[str, ...] = tuple(n for n in ORDER if not PASS_INFO[n].default)
 PASSES: dict[str, Callable[[Program], Program]] = {n: i.fn for n, i in PASS_INFO.items() if i.stage == "program"}  # Program -> Program passes
 NAIVE_PIECES = 4  # column pieces per row chunk without row-locality
 
