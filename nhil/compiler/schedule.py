@@ -253,7 +253,23 @@ def _host_overlap(p: Program) -> Program:
     return host_overlap(p)
 
 
+def _ew_swiglu(p: Program) -> Program:
+    from nhil.compiler.ew_lower import ew_swiglu
+
+    return ew_swiglu(p)
+
+
+def _ew_residual(p: Program) -> Program:
+    from nhil.compiler.ew_lower import ew_residual
+
+    return ew_residual(p)
+
+
 # opt-in passes (issue 17 item 4; not in the default pipeline: they reorder / change the zoo programs)
+PASS_INFO["ew-swiglu"] = PassInfo("ew-swiglu", "program", "SwiGLU's silu(g)*u in the device: AF silu + EWMUL on the gate/up accumulators (values: LUT SiLU, docs/isa.md)",
+                                  "HOST silu_mul on read-back gate and up", _ew_swiglu, default=False)
+PASS_INFO["ew-residual"] = PassInfo("ew-residual", "program", "residual adds after o_proj / down in the device: WR_ACC x + EWADD (bit-identical)",
+                                    "HOST add on the read-back GEMV output", _ew_residual, default=False)
 PASS_INFO["host-overlap"] = PassInfo("host-overlap", "program", "device work independent of a host kernel moved next to it; the timing model overlaps them",
                                      "host kernels and hand-offs idle the device", _host_overlap, default=False)
 ORDER: tuple[str, ...] = tuple(PASS_INFO)  # every pass, in the order a pass list runs them

@@ -36,7 +36,7 @@ from collections import defaultdict
 from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import ALL_CH, FLAG_POS_COL, FLAG_POS_SLOT, Instr, Op
 from nhil.isa.program import Program
-from nhil.timing.commands import acc_bursts, ACT, ALL, MAC, PRE, RD, RDACC, RDCP, REF, WR, WRACC, WRCP, WRGB, Cmd, unroll_instr
+from nhil.timing.commands import acc_bursts, ACT, ALL, EW, MAC, PRE, RD, RDACC, RDCP, REF, WR, WRACC, WRCP, WRGB, Cmd, unroll_instr
 from nhil.timing.table import TimingTable, timing_for
 
 NEG = -(1 << 40)
@@ -544,6 +544,10 @@ class TimingEngine:
                 else:
                     s.acc_r[k] = t
                     end = max(end, t + T.nCLREG + T.nBL)
+            elif kind == EW:
+                from nhil.timing.ew import schedule_ew
+
+                end = max(end, schedule_ew(self, s, p, idx, chans))
             else:  # WR, RD, RDCP, WRCP: bank data accesses
                 b = p.bank
                 banks = range(base, base + nb) if b == ALL else (base + b,)

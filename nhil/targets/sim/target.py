@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
-from nhil.isa.instr import OPINFO, Op
+from nhil.isa.instr import EW_OPS, OPINFO, Op
 from nhil.isa.program import Program
 from nhil.numerics.formats import DEVICE_FORMATS
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.sim.device import PimState
 from nhil.targets.sim.fast import FastPimState
+
+SIM_OPS = DEVICE_OPS | EW_OPS  # the simulator also implements the elementwise ops (docs/isa.md "Elementwise ops")
 
 
 class SimTarget(Target):
@@ -33,11 +35,11 @@ class SimTarget(Target):
         self._digest = ReadbackDigest()
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(0, DEVICE_OPS, DEVICE_FORMATS, self._fixed or (self.state.d if self.state else DEVICE_PRESETS["aim-like"]))
+        return Capabilities(0, SIM_OPS, DEVICE_FORMATS, self._fixed or (self.state.d if self.state else DEVICE_PRESETS["aim-like"]))
 
     def load(self, program: Program) -> None:
         dev = self._fixed or program.device
-        check_program_fits(program, Capabilities(0, DEVICE_OPS, DEVICE_FORMATS, dev), self.name)
+        check_program_fits(program, Capabilities(0, SIM_OPS, DEVICE_FORMATS, dev), self.name)
         self.state = (PimState if self.reference else FastPimState)(dev, reserve_rows=len(program.bank_images) + 8)
         self.state.load_images(program.bank_images)
         self._digest = ReadbackDigest()
