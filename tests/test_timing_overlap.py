@@ -8,6 +8,8 @@ HOST add(y, y) -> z of 16 elements moves 4 * 16 * (1 + 2) = 192 bytes: 100 + 192
 
 from __future__ import annotations
 
+import pytest
+
 from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import ALL_CH, Instr, Op
 from nhil.isa.program import HostOp, Operand, Program
@@ -85,3 +87,20 @@ def test_pass_keeps_conflicting_order():
     dep = Instr(Op.WR_SBK, 0, ch=0, bank=0, row=5, col=0, operand=2, imm=1)  # z -> row 5 (needs the host)
     p = prog([RD, SYNC, HOSTI, dep, SBK, SYNC, EOC])
     assert host_overlap(p).instrs == p.instrs
+
+
+def test_host_share_study_on_smollm2_shape():
+    """The bench's study (nhil.timing.host_share): the EW passes remove 3 host calls per layer (silu_mul, two adds;
+    30 layers), the overlap never costs cycles, and with no hand-off latency no SYNC time is left."""
+    from nhil.timing.host_share import host_share_study
+
+    rows = {r["variant"]: r for r in host_share_study()["rows"]}
+    before, ov, ew, after = (rows[v] for v in ("default pipeline (before)", "+ host-overlap", "+ ew-swiglu + ew-residual", "+ all three (after)"))
+    assert before["host_calls"] - ew["host_calls"] == 3 * 30 and after["host_calls"] == ew["host_calls"]
+    assert before["syncs"] == after["syncs"] == 6 * 30 + 1  # every remaining hand-off is a gather the next GEMV needs
+    assert after["cycles_per_token"] < ew["cycles_per_token"] < before["cycles_per_token"] and ov["cycles_per_token"] < before["cycles_per_token"]
+    assert before["sync_cycles"] == 181 * LAT  # 500 ns each, fully exposed without overlap
+    zero = rows["after, hand-off 0 ns (assumed 500)"]
+    assert zero["sync_cycles"] == 0 and zero["cycles_per_token"] < after["cycles_per_token"]
+    for r in rows.values():
+        assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["table_bound_tokens_per_s"])
