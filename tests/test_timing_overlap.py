@@ -104,3 +104,23 @@ def test_host_share_study_on_smollm2_shape():
     assert zero["sync_cycles"] == 0 and zero["cycles_per_token"] < after["cycles_per_token"]
     for r in rows.values():
         assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["table_bound_tokens_per_s"])
+
+
+def test_overlap_stream_of_llama_tiny_with_every_opt_in_pass_is_legal():
+    """llama-tiny with ew-swiglu, ew-residual and host-overlap: the recorded command stream (EW commands included) passes
+    the legality checker, channel-state sharing changes no cycle, exposed cycles add up, and overlap never costs cycles."""
+    from nhil.compile import compile_model
+    from nhil.compiler.pipeline import DEFAULT_PASSES
+    from nhil.timing import check_stream, timing_for
+
+    p = compile_model("llama-tiny", passes=list(DEFAULT_PASSES) + ["ew-swiglu", "ew-residual", "host-overlap"])
+    T = timing_for(p.device)
+    rec = engine_for(p, record=True)
+    assert isinstance(rec, HostOverlapEngine)
+    st_rec = rec.run_program(pos=5)
+    assert any(c.kind == "EW" for c in rec.commands())
+    check_stream(rec.commands(), p.device, T)
+    st = engine_for(p).run_program(pos=5)
+    assert st.cycles == st_rec.cycles and sum(st.exposed_by_kind.values()) == st.cycles == sum(st.exposed_by_layer.values())
+    assert set(st.exposed_by_layer) >= {"embed", "L0", "L1", "head"}  # layer ends found from the read-back residual sums
+    assert st.cycles <= TimingEngine(p.device, T, program=p).run_program(pos=5).cycles

@@ -39,7 +39,14 @@ Passes (in pipeline order) and what their absence means:
   allows). Baseline: commands issue in program order, so these serialise with the MACs
   (``TimingEngine(inorder=True)``).
 
-Numerics: no pass changes any value. Every accumulator receives the same bursts (rows,
+Opt-in passes (``PassInfo.default = False``: not in :data:`PIPELINE`, so the zoo programs are
+unchanged; :data:`ORDER` is the order of every pass): ``ew-swiglu`` and ``ew-residual``
+(``nhil.compiler.ew_lower``: SwiGLU gating and residual adds as the in-device EWMUL / EWADD / AF;
+``ew-swiglu`` changes values, to what ``info["ew_silu"]`` tells the reference) and ``host-overlap``
+(``nhil.compiler.host_overlap``: device work next to the host kernels it does not depend on, timed
+with host/device overlap).
+
+Numerics: no default pass changes any value. Every accumulator receives the same bursts (rows,
 columns, global-buffer contents) in the same order (a MAC of ``n`` bursts accumulates
 burst by burst, ``nhil.numerics.mac.mac_bursts``, so cutting it into column pieces is
 exact), and the placement only moves whole output rows between slots; outputs are **bit-identical** for every

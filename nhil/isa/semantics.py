@@ -26,7 +26,6 @@ d.gb_elems / L):
 | COPY_BK_GB, COPY_GB_BK | < channels or ALL_CH | < banks | < rows | | n >= 1, col + n <= min(row, gb) bursts | |
 | SET_CFR | < channels or ALL_CH | | | register 0 (imm 0/1) or 1 (weight format code) | | |
 | NOP, SYNC, EOC, HOST | | | | | | |
-
 | EWMUL, EWADD | same as WR_GB | | | < accumulators (and imm < accumulators) | | |
 | AF | same | | | < accumulators (imm: a function id of ``nhil.numerics.ew.AF_FUNCS``) | | |
 

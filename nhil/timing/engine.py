@@ -190,11 +190,14 @@ def layer_map(program: Program) -> list[str]:
     out = []
     cur = 0
     started = False
+    read_end = None  # a layer output read back from the device (ew-residual): the layer ends at the next barrier
     for ins in program.instrs:
         if ins.op is Op.HOST:
             h = program.host_ops[ins.imm]
             if h.kernel != "embedding":
                 started = True
+        if read_end is not None and ins.op in (Op.SYNC, Op.HOST):
+            cur, read_end = read_end, None
         label = f"L{cur}" if started else "embed"
         if cur >= len(ends) and ends:
             label = "head"
@@ -203,6 +206,8 @@ def layer_map(program: Program) -> list[str]:
             for o in program.host_ops[ins.imm].outputs:
                 if o in ends:
                     cur = ends[o] + 1
+        elif ins.op is Op.RD_ACC and ins.operand < len(program.operands) and program.operands[ins.operand].buffer in ends:
+            read_end = ends[program.operands[ins.operand].buffer] + 1
     return out
 
 
