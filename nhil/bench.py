@@ -36,7 +36,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from nhil.targets.sim.bench import reference_speed, sim_rows
+from nhil.targets.sim.bench import prefill_rows, reference_speed, sim_rows
 from nhil.timing.batch import batch_rich_table, bench_batch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -98,7 +98,7 @@ def _fpga_rows(r: dict) -> list:
 
 from nhil.targets.rtl.bench import format_rows_provider  # noqa: E402  (RTL rows per weight-format family)
 
-ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider, sim_rows]
+ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider, sim_rows, prefill_rows]
 SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "mamba2-1.3b"]  # mamba2: nhil.compiler.shape_recurrent
 
 
@@ -354,6 +354,10 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
         study = device_study("llama3-8b", gpu_gbs=gpu_gbs)
     print("[bench] batched decode (timing model) ...", file=sys.stderr, flush=True)
     batch = bench_batch(gpu_gbs=gpu_gbs)  # issue 17 item 5: nhil.timing.batch
+    print("[bench] modelled prefill (timing model) ...", file=sys.stderr, flush=True)
+    from nhil.timing.prefill import bench_prefill, prefill_rich_table
+
+    prefill = bench_prefill(gpu_gbs=gpu_gbs)  # issue 17 item 2
     print("[bench] smollm2-135m host share, before/after the opt-in host passes ...", file=sys.stderr, flush=True)
     from nhil.timing.host_share import BENCH_CACHE_LENS, host_share_study, host_share_table_rows
 
@@ -400,7 +404,8 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     if ab or study:
         Console(width=180).print(_ablation_table(ab, study))
     Console(width=180).print(batch_rich_table(batch))
-    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else []) + [{"batch": batch}, {"host_share": hshare}]
+    Console(width=180).print(prefill_rich_table(prefill))
+    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else []) + [{"batch": batch}, {"prefill": prefill}, {"host_share": hshare}]
     atomic_write_text(output, json.dumps(out, indent=2, default=float))
     print(f"[bench] saved {output}", file=sys.stderr)
     return rows

@@ -174,8 +174,8 @@ def test_fuzz_metadata_with_a_valid_crc(data):
     _tally("meta", _load_and_run(lambda: Program.decode(_pack(meta, WORDS, RAW_BLOB))))
 
 
-FIELDS = ["op", "flags", "ch", "bank", "row", "col", "n", "operand", "k", "rsv", "imm"]
-WIDTH = {"op": 8, "flags": 8, "ch": 8, "bank": 8, "row": 16, "col": 16, "n": 16, "operand": 16, "k": 8, "rsv": 8, "imm": 16}
+FIELDS = ["op", "flags", "ch", "bank", "row", "col", "n", "operand", "k", "tok", "imm"]
+WIDTH = {"op": 8, "flags": 8, "ch": 8, "bank": 8, "row": 16, "col": 16, "n": 16, "operand": 16, "k": 8, "tok": 8, "imm": 16}
 
 
 @FUZZ
@@ -189,7 +189,7 @@ def test_fuzz_instruction_words_with_a_valid_crc(data):
         f = data.draw(st.sampled_from(FIELDS))
         j = FIELDS.index(f)
         if f == "op":
-            vals[j] = data.draw(st.sampled_from([int(o) for o in Op] + [0x0E, 0x7F, 0xFF]))
+            vals[j] = data.draw(st.sampled_from([int(o) for o in Op] + [0x0F, 0x7F, 0xFF]))
         else:
             vals[j] = data.draw(st.one_of(st.integers(0, 3), st.integers(0, (1 << WIDTH[f]) - 1), st.just(vals[j] + 1 if vals[j] + 1 < 1 << WIDTH[f] else 0)))
         WORD.pack_into(words, i * WORD_BYTES, *vals)

@@ -26,7 +26,7 @@ from nhil.errors import ProgramFormatError
 from nhil.isa.instr import ALL_CH, FLAG_POS_COL, FLAG_POS_SLOT, NO_OPERAND, OPINFO, Instr, Op
 from nhil.isa.program import Program, canonical_json
 
-_FIELDS = ("ch", "bank", "row", "col", "n", "k", "imm")
+_FIELDS = ("ch", "bank", "row", "col", "n", "k", "imm", "tok")  # tok: prefill templates only (printed when nonzero)
 
 
 def format_instr(ins: Instr, prog: Program | None = None) -> str:
@@ -94,7 +94,7 @@ def parse_instr(text: str, lineno: int = 0) -> Instr:
         op = Op[toks[0]]
     except KeyError:
         raise ProgramFormatError(f"line {lineno}: unknown opcode {toks[0]!r}") from None
-    f = dict(flags=0, ch=0, bank=0, row=0, col=0, n=0, operand=NO_OPERAND, k=0, imm=0)
+    f = dict(flags=0, ch=0, bank=0, row=0, col=0, n=0, operand=NO_OPERAND, k=0, imm=0, tok=0)
     for t in toks[1:]:
         if t == "@pos_slot":
             f["flags"] |= FLAG_POS_SLOT

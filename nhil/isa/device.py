@@ -26,6 +26,9 @@ class DeviceConfig:
         accumulators: fp32 accumulators per bank (``k`` operand of MAC/RD_ACC/WR_ACC).
         gb_bytes: global buffer bytes per channel.
         clock_hz: processing-unit clock in Hz (for the timing model).
+        vectors: global buffers per channel and accumulator sets per bank of the prefill extension
+            (``MAC_ABV``, ``docs/isa.md`` "Prefill extension"): how many token vectors one row
+            activation serves; 1 = no extension (only GB and accumulator set 0).
     """
 
     name: str = "aim-like"
@@ -37,6 +40,7 @@ class DeviceConfig:
     accumulators: int = 4
     gb_bytes: int = 2048
     clock_hz: float = 1e9
+    vectors: int = 1
 
     @property
     def cols(self) -> int:
@@ -58,9 +62,17 @@ class DeviceConfig:
         """Banks in the whole device (``channels * banks``): outputs of one all-channel MAC_AB."""
         return self.channels * self.banks
 
+    def as_dict(self) -> dict:
+        """The fields as a dict, for program headers; ``vectors`` is left out when it is 1 (a device without the
+        prefill extension), so such devices encode as they did before the extension existed."""
+        d = dataclasses.asdict(self)
+        if d["vectors"] == 1:
+            del d["vectors"]
+        return d
+
     def to_json(self) -> str:
-        """Canonical JSON (sorted keys), used in program headers and hashes."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """Canonical JSON (sorted keys) of :meth:`as_dict`, used in hashes."""
+        return json.dumps(self.as_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DeviceConfig":
@@ -69,7 +81,9 @@ class DeviceConfig:
 
 
 DEVICE_PRESETS: dict[str, DeviceConfig] = {
-    "aim-like": DeviceConfig(),
+    # prefill extension: 16 global buffers per channel (32 KB of SRAM) and 16 accumulator sets per bank
+    # (16 x 4 fp32 = 256 B): one row activation serves up to 16 prompt tokens (MAC_ABV, docs/isa.md "Prefill extension")
+    "aim-like": DeviceConfig(vectors=16),
     "fpga-small": DeviceConfig(name="fpga-small", channels=2, banks=16, rows=1024),
     "rtl-tiny": DeviceConfig(name="rtl-tiny", channels=1, banks=16, rows=256, row_bytes=256, gb_bytes=256),
     # one AiM channel (16 banks x 16384 rows x 2 KB rows, 2 KB global buffer): the largest

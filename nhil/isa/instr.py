@@ -12,7 +12,8 @@ Word layout (``docs/isa.md`` section "Encoding"), little-endian, 16 bytes::
     bytes 8-9   n        u16  burst count, or slot count (RD_ACC/WR_ACC)
     bytes 10-11 operand  u16  index into the program's operand table, 0xFFFF = none
     byte  12    k        u8   accumulator index
-    byte  13    rsv      u8   must be 0
+    byte  13    tok      u8   prompt-token offset of a position-relative template (prefill programs: bound at
+                              ``$pos + tok``); 0 without POS_SLOT / POS_COL; never sent to a device
     bytes 14-15 imm      u16  lane mask (WR_SBK), register value (SET_CFR), host op (HOST)
 """
 
@@ -51,6 +52,7 @@ class Op(enum.IntEnum):
     SET_CFR = 0x0B
     SYNC = 0x0C
     EOC = 0x0D
+    MAC_ABV = 0x0E  # prefill extension: one row activation, several GB vectors into several accumulator sets
     EWMUL = 0x10  # in-device elementwise ops (docs/isa.md "Elementwise ops"): claimed by the simulator only
     EWADD = 0x11
     AF = 0x12
@@ -81,6 +83,7 @@ OPINFO: dict[Op, OpInfo] = {
     Op.SET_CFR: OpInfo(False, False, ("ch", "k", "imm")),
     Op.SYNC: OpInfo(False, False, ()),
     Op.EOC: OpInfo(False, False, ()),
+    Op.MAC_ABV: OpInfo(False, False, ("ch", "row", "col", "n", "k", "imm")),
     Op.EWMUL: OpInfo(False, False, ("ch", "k", "imm")),  # ACC k = ACC k * ACC imm
     Op.EWADD: OpInfo(False, False, ("ch", "k", "imm")),  # ACC k = ACC k + ACC imm
     Op.AF: OpInfo(False, False, ("ch", "k", "imm")),  # ACC k = LUT_imm[bf16(ACC k)]
@@ -89,6 +92,7 @@ OPINFO: dict[Op, OpInfo] = {
 
 EW_OPS = frozenset({Op.EWMUL, Op.EWADD, Op.AF})  # in-device elementwise ops: only targets that list them implement them
 RESERVED_OPS = EW_OPS  # not in every target's v0 set (RTL and FPGA refuse them at load); the name predates their semantics
+EXTENSION_OPS = frozenset({Op.MAC_ABV})  # beyond ISA v0's base: claimed only by targets whose device has ``vectors`` > 1
 
 # CFR registers (SET_CFR k=<reg>, imm=<value>)
 CFR_ACC_RD_FMT = 0  # 0: RD_ACC returns fp32; 1: RD_ACC returns bf16 (RNE) widened to fp32
@@ -108,11 +112,12 @@ class Instr(NamedTuple):
     operand: int = NO_OPERAND
     k: int = 0
     imm: int = 0
+    tok: int = 0
 
     def encode(self) -> bytes:
         """The 16-byte little-endian word (``struct`` raises if a field is out of range)."""
         try:
-            return WORD.pack(int(self.op), self.flags, self.ch, self.bank, self.row, self.col, self.n, self.operand, self.k, 0, self.imm)
+            return WORD.pack(int(self.op), self.flags, self.ch, self.bank, self.row, self.col, self.n, self.operand, self.k, self.tok, self.imm)
         except struct.error as e:
             raise ProgramFormatError(f"instruction field out of range in {self}: {e}") from None
 
@@ -121,16 +126,16 @@ class Instr(NamedTuple):
         """Parse a 16-byte word.
 
         Raises:
-            ProgramFormatError: unknown opcode, unknown flag bits, or nonzero reserved byte
-                (names the instruction index and the byte values).
+            ProgramFormatError: unknown opcode, unknown flag bits, or a token offset on an instruction without
+                position flags (names the instruction index and the byte values).
         """
-        op, flags, ch, bank, row, col, n, operand, k, rsv, imm = WORD.unpack(word)
+        op, flags, ch, bank, row, col, n, operand, k, tok, imm = WORD.unpack(word)
         try:
             opc = Op(op)
         except ValueError:
             raise ProgramFormatError(f"instruction {index}: unknown opcode 0x{op:02x} (ISA v0 knows {', '.join(o.name for o in Op)})") from None
         if flags & ~KNOWN_FLAGS:
             raise ProgramFormatError(f"instruction {index} ({opc.name}): unknown flag bits 0x{flags:02x}")
-        if rsv:
-            raise ProgramFormatError(f"instruction {index} ({opc.name}): reserved byte is 0x{rsv:02x}, must be 0")
-        return cls(opc, flags, ch, bank, row, col, n, operand, k, imm)
+        if tok and not flags & (FLAG_POS_SLOT | FLAG_POS_COL):
+            raise ProgramFormatError(f"instruction {index} ({opc.name}): token offset byte is 0x{tok:02x} without a position flag, must be 0")
+        return cls(opc, flags, ch, bank, row, col, n, operand, k, imm, tok)

@@ -40,6 +40,7 @@ class DeviceMeta(_Strict):
     accumulators: Annotated[StrictInt, Field(gt=0, le=256)]
     gb_bytes: Annotated[StrictInt, Field(gt=0, le=1 << 20)]
     clock_hz: StrictFloat | StrictInt
+    vectors: Annotated[StrictInt, Field(gt=0, le=255)] = 1  # prefill extension (absent = 1)
 
     @model_validator(mode="after")
     def _fits(self):

@@ -145,6 +145,7 @@ class Program:
             rows_seen.add(img.row)
             if img.data is not None and img.data.shape != (d.channels, d.banks, d.cols):
                 raise ProgramFormatError(f"bank image row {img.row} has shape {img.data.shape}, expected {(d.channels, d.banks, d.cols)}")
+        seen: set = set()  # (instruction without its operand index, operand count) already checked against the device
         for i, ins in enumerate(self.instrs):
             info = OPINFO[ins.op]
             needs = info.data_in or info.data_out
@@ -154,9 +155,13 @@ class Program:
                 raise ProgramFormatError(f"instruction {i} ({ins.op.name}) takes no operand but has {ins.operand}")
             if ins.op is Op.HOST and not 0 <= ins.imm < len(self.host_ops):
                 raise ProgramFormatError(f"instruction {i} (HOST) calls host op {ins.imm}, table has {len(self.host_ops)}")
+            key = (ins._replace(operand=0, tok=0), self.operands[ins.operand].count) if needs else ins._replace(tok=0)  # tok: runtime-bound
+            if key in seen:
+                continue
             why = check_instr(ins, d, self.operands[ins.operand].count if needs else None)  # the device-semantics table
             if why:
                 raise ProgramFormatError(f"instruction {i} ({ins.op.name}): {why}")
+            seen.add(key)
         from nhil.runtime.host_kernels import check_host_op
 
         runnable = not (isinstance(self.info, dict) and self.info.get("shape_only"))  # shape-only programs are timed, never run
@@ -201,7 +206,7 @@ class Program:
             chunks.append(b)
             off += len(b)
         meta = {
-            "device": dataclasses.asdict(self.device),
+            "device": self.device.as_dict(),
             "buffers": self.buffers,
             "operands": [[o.buffer, o.offset, o.count] for o in self.operands],
             "host_ops": [h.to_json() for h in self.host_ops],

@@ -15,16 +15,17 @@ d.gb_elems / L):
 
 | op | ch | bank | row | k | col, n | operand elements |
 |---|---|---|---|---|---|---|
-| WR_GB | < channels or ALL_CH | | | | n >= 1, col + n <= gb bursts | 1 .. n*L in |
-| WR_ACC | same | | | < accumulators | n >= 1, col + n <= channels addressed * banks | n in |
+| WR_GB | < channels or ALL_CH | GB set < vectors | | | n >= 1, col + n <= gb bursts | 1 .. n*L in |
+| WR_ACC | same | accumulator set < vectors | | < accumulators | n >= 1, col + n <= channels addressed * banks | n in |
 | MAC_AB | same | | < rows | < accumulators | n >= 1, col + n <= row bursts | |
 | MAC_SB | same | < banks | < rows | < accumulators | same | |
-| RD_ACC | same | | | < accumulators | as WR_ACC | 1 .. n out |
+| RD_ACC | same | accumulator set < vectors | | < accumulators | as WR_ACC | 1 .. n out |
 | WR_SBK | same | < banks | < rows | | col < row bursts | 1 .. L in |
 | RD_SBK | one channel (ALL_CH only on a 1-channel device) | < banks | < rows | | n >= 1, col + n <= row bursts | 1 .. n*L out |
 | WR_ABK | same as WR_GB | | < rows | | n >= 1, col + n <= row bursts | 1 .. n*L in |
 | COPY_BK_GB, COPY_GB_BK | < channels or ALL_CH | < banks | < rows | | n >= 1, col + n <= min(row, gb) bursts | |
 | SET_CFR | < channels or ALL_CH | | | register 0 (imm 0/1) or 1 (weight format code) | | |
+| MAC_ABV | same as MAC_AB | | < rows | < accumulators | n >= 1, col + n <= min(row, gb) bursts; imm = V vectors, 1 <= V <= vectors | |
 | NOP, SYNC, EOC, HOST | | | | | | |
 | EWMUL, EWADD | same as WR_GB | | | < accumulators (and imm < accumulators) | | |
 | AF | same | | | < accumulators (imm: a function id of ``nhil.numerics.ew.AF_FUNCS``) | | |
@@ -74,17 +75,19 @@ SEMANTICS: dict[Op, OpSemantics] = {
     Op.SYNC: OpSemantics(pseudo="wait until every earlier instruction completed; readbacks reach the host"),
     Op.EOC: OpSemantics(pseudo="end of command stream"),
     Op.HOST: OpSemantics(pseudo="host_ops[imm](inputs) -> outputs on the host (never sent to a device)"),
-    Op.WR_GB: OpSemantics("any", span="gb", elems=_n_lanes, pseudo="GB[ch][col*L : (col+n)*L] = bf16(operand)"),
-    Op.WR_ACC: OpSemantics("any", k="acc", span="acc", elems=lambda i, d: i.n, pseudo="ACC[ch][:, k].flat[col : col+n] = operand (fp32)"),
+    Op.WR_GB: OpSemantics("any", span="gb", elems=_n_lanes, pseudo="GB_bank[ch][col*L : (col+n)*L] = bf16(operand); bank = GB set"),
+    Op.WR_ACC: OpSemantics("any", k="acc", span="acc", elems=lambda i, d: i.n, pseudo="ACC_bank[ch][:, k].flat[col : col+n] = operand (fp32); bank = accumulator set"),
     Op.MAC_AB: OpSemantics("any", row=True, k="acc", span="row", pseudo="for every bank b: ACC[ch][b][k] += dot(ROW[ch][b][row][bursts col..col+n), GB[ch][same])"),
     Op.MAC_SB: OpSemantics("any", bank=True, row=True, k="acc", span="row", pseudo="ACC[ch][bank][k] += dot(ROW[ch][bank][row][bursts col..col+n), GB[ch][same])"),
-    Op.RD_ACC: OpSemantics("any", k="acc", span="acc", elems=lambda i, d: i.n, pseudo="operand = ACC[ch][:, k].flat[col : col+n]"),
+    Op.RD_ACC: OpSemantics("any", k="acc", span="acc", elems=lambda i, d: i.n, pseudo="operand = ACC_bank[ch][:, k].flat[col : col+n]; bank = accumulator set"),
     Op.WR_SBK: OpSemantics("any", bank=True, row=True, span="one_burst", elems=lambda i, d: d.lanes, pseudo="ROW[ch][bank][row][burst col][lanes in imm] = bf16(operand) (k=1/2: only the low/high byte of each lane)"),
     Op.RD_SBK: OpSemantics("one", bank=True, row=True, span="row", elems=_n_lanes, pseudo="operand = ROW[ch][bank][row][bursts col..col+n)"),
     Op.WR_ABK: OpSemantics("any", row=True, span="row", elems=_n_lanes, pseudo="for every bank b: ROW[ch][b][row][bursts col..col+n) = bf16(operand)"),
     Op.COPY_BK_GB: OpSemantics("any", bank=True, row=True, span="row_gb", pseudo="GB[ch][bursts col..col+n) = ROW[ch][bank][row][same]"),
     Op.COPY_GB_BK: OpSemantics("any", bank=True, row=True, span="row_gb", pseudo="ROW[ch][bank][row][bursts col..col+n) = GB[ch][same]"),
     Op.SET_CFR: OpSemantics("any", k="cfr", pseudo="CFR[ch][k] = imm"),
+    Op.MAC_ABV: OpSemantics("any", row=True, k="acc", span="row_gb",
+                            pseudo="for every bank b, j < imm: ACC_j[ch][b][k] += dot(ROW[ch][b][row][bursts col..col+n), GB_j[ch][same])"),
     Op.EWMUL: OpSemantics("any", k="acc", pseudo="for every bank b: ACC[ch][b][k] = fp32(ACC[ch][b][k] * ACC[ch][b][imm])"),
     Op.EWADD: OpSemantics("any", k="acc", pseudo="for every bank b: ACC[ch][b][k] = fp32(ACC[ch][b][k] + ACC[ch][b][imm])"),
     Op.AF: OpSemantics("any", k="acc", pseudo="for every bank b: ACC[ch][b][k] = LUT_imm[bf16(ACC[ch][b][k])] (nhil.numerics.ew)"),
@@ -115,6 +118,11 @@ def check_instr(ins: Instr, d: DeviceConfig, operand_count: int | None = None) -
         return f"accumulator {ins.k} >= {d.accumulators}"
     if s.bank and not pos_slot and ins.bank >= d.banks:
         return f"bank {ins.bank} >= {d.banks}"
+    if ins.op in (Op.WR_ACC, Op.RD_ACC, Op.WR_GB) and ins.bank >= d.vectors:
+        what = "global buffer" if ins.op is Op.WR_GB else "accumulator set"
+        return f"{what} {ins.bank} >= {d.vectors} (the bank field of {ins.op.name} selects a set of the prefill extension; device {d.name} has {d.vectors})"
+    if ins.op is Op.MAC_ABV and not 1 <= ins.imm <= d.vectors:
+        return f"MAC_ABV of {ins.imm} vectors: device {d.name} has {d.vectors} global buffers / accumulator sets (1 <= imm <= {d.vectors})"
     if ins.op is Op.WR_SBK and ins.k not in ((0, 1, 2, 3) if pos_col else (0, 1, 2)):
         return f"WR_SBK byte select k={ins.k}: 0 (words), 1 / 2 (low / high byte), 3 (byte bound from the position, POS_COL only)"
     why = _check_ew(ins, d)

@@ -58,6 +58,15 @@ def tier_sections(report: dict[str, Any]) -> list[str]:
     if report.get("accuracy_not_judged"):
         out += ["## Accuracy not judged", "", str(report["accuracy_not_judged"]), ""]
     out += _placement_section(report.get("placement"))
+    pf = report.get("prefill")
+    if pf:
+        out += ["## Prefill (`nhil.compiler.prefill`)", ""]
+        if pf.get("mode") == "program":
+            out += [f"The {pf['tokens']}-token prompt ran as one prefill program ({pf['instructions']:,} instructions; "
+                    f"{pf['decode_instructions_x_tokens']:,} as {pf['tokens']} decode steps), up to {pf['vectors']} tokens per "
+                    f"weight-row activation; its logits and activations are in the tiers above.", ""]
+        else:
+            out += [f"Token by token: {pf.get('reason')}.", ""]
     log = report.get("pass_log") or []
     if log:
         out += ["## Compiled with (scheduling passes, `nhil.compiler.pipeline`)", ""]

@@ -17,6 +17,9 @@ Binding rules (``docs/isa.md`` section "Position-relative instructions"), ``t = 
 * ``POS_COL`` on a WR_SBK with ``k = 3`` (fp8 Vᵀ append, ``nhil.numerics.kv_fp8``): byte
   ``j = 4 + t % P`` of row ``row + t // P``: ``col = (j // 2) // lanes``, lane ``(j // 2) % lanes``,
   ``k = 1 + j % 2`` (low / high byte).
+* A template's ``tok`` byte (prefill programs, ``nhil.compiler.prefill``) adds to the position:
+  ``t = pos + tok``; a prefill program's host call ``i`` runs with ``$token`` = prompt token
+  ``host_token[i]`` and ``$pos`` = ``pos + host_token[i]``.
 * Payloads of ``WR_GB``/``WR_SBK``/``WR_ABK`` are the operand's fp32 values rounded to bf16
   (RNE, ``nhil.numerics.bf16``), zero-padded to whole bursts; ``WR_ACC`` payloads stay fp32.
   Buffers in ``program.info["raw_buffers"]`` hold 16-bit words as exact fp32 integers and are
@@ -96,10 +99,24 @@ class Runner:
         self.steps = 0
         self._loaded = False
         self._static: dict[int, ResolvedInstr] = {}  # instruction index -> its binding, for instructions without position flags or data
+        pf = program.info.get("prefill") if isinstance(program.info, dict) else None
+        self.prefill_tokens = int(pf["tokens"]) if pf else 0  # a prefill program (nhil.compiler.prefill): tokens per run
+        self._host_token = list(pf["host_token"]) if pf else None
+
+    def attach(self, other: "Runner") -> None:
+        """Run on the device state ``other`` loaded (a prefill program over its decode program's placement)
+        instead of loading this program: ``reset`` then reloads nothing."""
+        if other.p.device != self.p.device or len(other.p.bank_images) != len(self.p.bank_images):
+            raise RunError("a prefill program runs only on the device state of the decode program it was made from")
+        self._loaded = True
+        self._attached = other
 
     def reset(self) -> None:
         """Load the program into the target (weights, zeroed KV rows); later calls ``reload`` it, which a target with
         an expensive load (the FPGA link) may do without sending the weights again (``Target.reload``)."""
+        if getattr(self, "_attached", None) is not None:
+            self.steps = 0
+            return
         if self._loaded:
             self.t.reload(self.p)
         else:
@@ -129,6 +146,9 @@ class Runner:
         d = self.d
         payload = None
         lane = None
+        if ins.tok:  # a prefill template: token tok of the prompt binds at pos + tok
+            pos += ins.tok
+            ins = ins._replace(tok=0)
         if ins.flags & FLAG_POS_SLOT:
             slot = pos % d.slots
             ins = ins._replace(flags=ins.flags & ~FLAG_POS_SLOT, ch=slot // d.banks, bank=slot % d.banks, row=ins.row + pos // d.slots)
@@ -177,10 +197,36 @@ class Runner:
         self.steps += 1
         return {k: self.bufs[v] for k, v in self.p.io["outputs"].items()}
 
+    def prefill(self, tokens: list[int], pos: int) -> list[dict[str, np.ndarray]]:
+        """Run a prefill program (``nhil.compiler.prefill``) for prompt ``tokens`` at positions ``pos ..``.
+
+        Returns:
+            per token, ``io["outputs"]`` name (without the ``@t`` suffix) -> fp32 array (views; copy to keep).
+        Raises:
+            RunError: not a prefill program, a token count other than its own, or positions beyond the KV cache.
+        """
+        T = self.prefill_tokens
+        if not T or len(tokens) != T:
+            raise RunError(f"prefill of {len(tokens)} tokens on a program that prefills {T or 'no'} tokens")
+        max_len = self.p.info.get("max_cache_len", 0)
+        if max_len and not (0 <= pos and pos + T <= max_len):
+            raise RunError(f"positions {pos}..{pos + T - 1} are outside the compiled KV cache of {max_len} positions; compile with a larger max_cache_len")
+        ctx = {"token": int(tokens[0]), "pos": int(pos), "tokens": [int(t) for t in tokens]}
+        self._run(self.segments, ctx, pos)
+        self.steps += 1
+        out: list[dict[str, np.ndarray]] = [{} for _ in range(T)]
+        for k, v in self.p.io["outputs"].items():
+            name, t = k.rsplit("@", 1)
+            out[int(t)][name] = self.bufs[v]
+        return out
+
     def _run(self, segments: list, ctx: dict, pos: int) -> None:
+        ht = self._host_token
         for kind, seg in segments:
             if kind == "host":
                 h = self.p.host_ops[seg]
+                if ht is not None:  # a prefill program: the host call of prompt token ht[seg]
+                    ctx = {"token": ctx["tokens"][ht[seg]], "pos": pos + ht[seg], "tokens": ctx["tokens"]}
                 if h.kernel == "moe_dispatch":  # run the routed experts' sub-programs, then combine
                     k = int(h.attrs["top_k"])
                     ids = [int(i) for i in self.bufs[h.inputs[0]][:k]]

@@ -25,7 +25,7 @@ import numpy as np
 
 from nhil.errors import LoadError
 from nhil.isa.device import DeviceConfig
-from nhil.isa.instr import Instr, Op, RESERVED_OPS, OPINFO
+from nhil.isa.instr import EXTENSION_OPS, Instr, Op, RESERVED_OPS, OPINFO
 from nhil.isa.program import Program
 
 
@@ -226,5 +226,5 @@ def check_program_fits(program: Program, caps: Capabilities, target: str) -> Non
         )
 
 
-DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS  # what RTL and FPGA implement
+DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS - EXTENSION_OPS  # ISA v0's base opcodes (what RTL and FPGA implement)
 EW_PASSES = ("ew-swiglu", "ew-residual")  # the opt-in passes that emit EWMUL / EWADD / AF (nhil.compiler.ew_lower)

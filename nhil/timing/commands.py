@@ -12,6 +12,10 @@ Rules (``docs/timing-model.md``):
 
 * ``MAC_AB row col n k``: ``PRE`` (all banks) if any bank has another row open, ``ACT``
   (all banks) if the row is not open in every bank, then ``n`` x ``MAC`` (all banks).
+* ``MAC_ABV row col n k imm=V`` (prefill extension): as ``MAC_AB``, then ``V`` groups of ``n`` x ``MAC``
+  on the same open row, group ``j`` reading global buffer ``j`` into accumulator ``k`` of set ``j``
+  (the bank's MAC unit takes one burst per nCCD, so V vectors cost V times the MAC bursts, one ACT).
+  GB bursts of set ``j`` are numbered ``j * gb_bursts + c`` in the hazard tables (``Plan.g``).
 * ``MAC_SB``/``WR_SBK``/``RD_SBK``/``COPY_*``: the same with one bank (``PRE``/``ACT`` of that bank).
 * ``WR_ABK``: all-bank ``PRE``/``ACT``, ``n`` x ``WR`` (all banks).
 * ``WR_GB col n``: ``n`` x ``WRGB``. ``WR_ACC``/``RD_ACC``: ``ceil(4*m/32)`` x ``WRACC``/``RDACC``
@@ -70,6 +74,12 @@ class Plan(NamedTuple):
     col: int = 0
     n: int = 1
     k: int = -1
+    g: int = 0  # MAC / WRGB: column c touches GB burst c + g (global buffer j of the prefill extension: g = j * gb bursts)
+
+
+def acc_key(d: DeviceConfig, acc_set: int, k: int) -> int:
+    """Index of accumulator ``k`` of set ``acc_set`` in the engine's per-accumulator hazard tables (set 0: ``k``)."""
+    return acc_set * d.accumulators + k
 
 
 def channels_of(ins: Instr, d: DeviceConfig) -> range:
@@ -114,15 +124,19 @@ def unroll_instr(ins: Instr, d: DeviceConfig, ch: int, open_rows: list[int]) -> 
     if op is Op.MAC_AB:
         _open(plan, open_rows, ALL, ins.row)
         plan.append(Plan(MAC, ALL, ins.row, ins.col, ins.n, ins.k))
+    elif op is Op.MAC_ABV:
+        _open(plan, open_rows, ALL, ins.row)
+        for j in range(ins.imm):
+            plan.append(Plan(MAC, ALL, ins.row, ins.col, ins.n, acc_key(d, j, ins.k), j * (d.gb_elems // d.lanes)))
     elif op is Op.MAC_SB:
         _open(plan, open_rows, ins.bank, ins.row)
         plan.append(Plan(MAC, ins.bank, ins.row, ins.col, ins.n, ins.k))
     elif op is Op.WR_GB:
-        plan.append(Plan(WRGB, ALL, -1, ins.col, ins.n))
+        plan.append(Plan(WRGB, ALL, -1, ins.col, ins.n, g=ins.bank * (d.gb_elems // d.lanes)))
     elif op is Op.WR_ACC or op is Op.RD_ACC:
         nb = acc_bursts(ins, d, ch)
         if nb:
-            plan.append(Plan(WRACC if op is Op.WR_ACC else RDACC, ALL, -1, 0, nb, ins.k))
+            plan.append(Plan(WRACC if op is Op.WR_ACC else RDACC, ALL, -1, 0, nb, acc_key(d, ins.bank, ins.k)))
     elif op is Op.WR_SBK:
         _open(plan, open_rows, ins.bank, ins.row)
         plan.append(Plan(WR, ins.bank, ins.row, ins.col, 1))

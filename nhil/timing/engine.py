@@ -60,12 +60,13 @@ class Chan:
         self.acts: list[int] = []
         self.col_t = NEG
         self.ext_t = NEG
-        g = max(1, d.gb_elems // d.lanes)
+        g = max(1, d.gb_elems // d.lanes) * d.vectors  # every burst of every global buffer (commands.Plan.g)
         self.gb_w = [NEG] * g
         self.gb_r = [NEG] * g
-        self.acc_w = [NEG] * d.accumulators
-        self.acc_mac = [NEG] * d.accumulators
-        self.acc_r = [NEG] * d.accumulators
+        na = d.accumulators * d.vectors  # every accumulator of every set (commands.acc_key)
+        self.acc_w = [NEG] * na
+        self.acc_mac = [NEG] * na
+        self.acc_r = [NEG] * na
         self.floor = 0
         self.done = 0
         self.refs = 0
@@ -165,7 +166,7 @@ class TimingStats:
 
 def instr_kind(ins: Instr, kv_rows: set[int] | None, host_ops=None) -> str:
     """Accounting class of an instruction: ``MAC_AB.gemv`` / ``MAC_AB.attn``, ``HOST.<kernel>``, or the opcode."""
-    if ins.op is Op.MAC_AB or ins.op is Op.MAC_SB:
+    if ins.op is Op.MAC_AB or ins.op is Op.MAC_SB or ins.op is Op.MAC_ABV:
         return f"{ins.op.name}.{'attn' if kv_rows and ins.row in kv_rows else 'gemv'}"
     if ins.op is Op.HOST and host_ops is not None:
         return f"HOST.{host_ops[ins.imm].kernel}"
@@ -186,7 +187,8 @@ def layer_map(program: Program) -> list[str]:
     ends: dict[str, int] = {}
     for k, v in program.io.get("outputs", {}).items():
         if k.startswith("act.model.layers."):
-            ends[v] = int(k.rsplit(".", 1)[1])
+            ends[v] = int(k.split("@")[0].rsplit(".", 1)[1])  # a prefill program's outputs end in @<token>
+    nlayers = len(set(ends.values()))
     out = []
     cur = 0
     started = False
@@ -199,7 +201,7 @@ def layer_map(program: Program) -> list[str]:
         if read_end is not None and ins.op in (Op.SYNC, Op.HOST):
             cur, read_end = read_end, None
         label = f"L{cur}" if started else "embed"
-        if cur >= len(ends) and ends:
+        if cur >= nlayers and ends:
             label = "head"
         out.append(label)
         if ins.op is Op.HOST:
@@ -255,7 +257,11 @@ def host_op_cycles(program: Program, hop, t: TimingTable) -> int:
 
 
 def bind_template(ins: Instr, d: DeviceConfig, pos: int = 0) -> Instr:
-    """Bind position-relative flags as the runtime does (``docs/isa.md``), for timing a template."""
+    """Bind position-relative flags as the runtime does (``docs/isa.md``), for timing a template
+    (a prefill template's ``tok`` adds to ``pos``)."""
+    if ins.tok:
+        pos += ins.tok
+        ins = ins._replace(tok=0)
     if ins.flags & FLAG_POS_SLOT:
         slot = pos % d.slots
         ins = ins._replace(flags=ins.flags & ~FLAG_POS_SLOT, ch=slot // d.banks, bank=slot % d.banks, row=ins.row + pos // d.slots)
@@ -483,14 +489,15 @@ class TimingEngine:
                 banks = range(base, base + nb) if p.bank == ALL else (base + p.bank,)
                 ready = max(s.act_t[b] for b in banks) + T.nRCDRDMAC
                 k = p.k
-                base = max(ready, s.floor, s.acc_w[k] + T.nCWLREG, s.acc_r[k] + 1)
+                t_min = max(ready, s.floor, s.acc_w[k] + T.nCWLREG, s.acc_r[k] + 1)
                 t = s.col_t
                 gb_w, gb_r, bus = s.gb_w, s.gb_r, s.bus
                 ccd, cwl = T.nCCD, T.nCWLGB
                 rec = s.cmds is not None
                 inorder = self.inorder
-                for c in range(p.col, p.col + p.n):
-                    t = max(t + ccd, base, gb_w[c] + cwl)
+                g = p.g
+                for c in range(p.col + g, p.col + p.n + g):  # GB bursts (the row's columns in GB set g / gb bursts)
+                    t = max(t + ccd, t_min, gb_w[c] + cwl)
                     if inorder and t <= s.last:
                         t = s.last + 1
                     while t in bus:
@@ -518,7 +525,7 @@ class TimingEngine:
                 t = s.ext_t
                 gb_w, gb_r, bus = s.gb_w, s.gb_r, s.bus
                 rec = s.cmds is not None
-                for c in range(p.col, p.col + p.n):
+                for c in range(p.col + p.g, p.col + p.n + p.g):
                     t = max(t + T.nBL, s.floor, gb_r[c] + 1, gb_w[c] + 1)
                     if self.inorder and t <= s.last:
                         t = s.last + 1
@@ -648,9 +655,9 @@ class TimingEngine:
         else:
             seg = self._seg
             seg.instrs += 1
-            if op is Op.MAC_AB or op is Op.MAC_SB:
+            if op is Op.MAC_AB or op is Op.MAC_SB or op is Op.MAC_ABV:
                 nch = self.d.channels if ins.flags & ALL_CH else 1
-                nb = self.d.banks if op is Op.MAC_AB else 1
+                nb = self.d.banks if op is not Op.MAC_SB else 1
                 seg.bank_bursts += ins.n * nb * nch
                 if ins.row in self.kv_rows:
                     seg.kind = "attn"

@@ -229,6 +229,7 @@ def _run_on_target(run: Run, program, target, bundle, prompt_ids: list[int], gol
     """Teacher-forced (and repeated, with ``REPEAT``) then free-running greedy runs on the target, in lockstep with
     the simulator off it. A program using what the target does not claim is NotClaimed (SKIPPED, not passed)."""
     from nhil.runtime import Runner, run_greedy, run_teacher_forced
+    from nhil.runtime.generate import prefill_runner
     from nhil.targets.base import unclaimed
     from nhil.targets.lockstep import LockstepTarget
 
@@ -246,22 +247,31 @@ def _run_on_target(run: Run, program, target, bundle, prompt_ids: list[int], gol
         R["program"]["device_instructions_per_step"] = runner.device_instructions
         with run.stage("load_target"):
             runner.reset()
+        pf = None
+        with run.stage("prefill_program"):
+            why = "NHIL_PREFILL=token" if not o.prefill else ""
+            if o.prefill:
+                pf, why = prefill_runner(runner, len(prompt_ids))
+            R["prefill"] = ({"mode": "program", "tokens": pf.prefill_tokens, "vectors": pf.p.info["prefill"]["vectors"],
+                             "instructions": len(pf.p.instrs), "decode_instructions_x_tokens": len(program.instrs) * len(prompt_ids)}
+                            if pf is not None else {"mode": "per-token", "reason": why})
+            log(f"  prefill: {'one program of ' + str(pf.prefill_tokens) + ' tokens' if pf is not None else 'token by token (' + why + ')'}")
 
         def progress(i, n):
             if i == n or i % 5 == 0:
                 log(f"  step {i}/{n}")
 
         with run.stage("run_teacher_forced"):
-            tf = run_teacher_forced(runner, prompt_ids, golden_tokens, progress=progress)
+            tf = run_teacher_forced(runner, prompt_ids, golden_tokens, progress=progress, prefill=pf)
         if o.repeat > 1:
             with run.stage("repeat"):
                 same = 0
                 for _ in range(o.repeat - 1):
-                    again = run_teacher_forced(runner, prompt_ids, golden_tokens)
+                    again = run_teacher_forced(runner, prompt_ids, golden_tokens, prefill=pf)
                     same += int(np.array_equal(again.logits.view(np.uint32), tf.logits.view(np.uint32)))
                 run.check("deterministic", same == o.repeat - 1, f"{same + 1}/{o.repeat} teacher-forced runs gave bit-identical logits")
         with run.stage("run_free"):
-            free = run_greedy(runner, prompt_ids, o.tokens, progress=progress)
+            free = run_greedy(runner, prompt_ids, o.tokens, progress=progress, prefill=pf)
         R["target_stats"] = dut.stats()
     R["target_tokens"] = free.tokens
     R["target_text"] = bundle.decode(free.tokens)

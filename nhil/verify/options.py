@@ -32,6 +32,8 @@ class VerifyOptions:
         stage_timeout_scale: multiplies every stage's timeout (``STAGE_TIMEOUTS``).
         manifest: expectations manifest (default ``nhil.expectations.DEFAULT_PATH``): the
             expected outcome and the row's tolerance overrides come from it.
+        prefill: run the prompt through a prefill program (``nhil.compiler.prefill``) when the program
+            and target allow it, else token by token; ``NHIL_PREFILL=token`` sets it False.
     """
 
     model: str = "llama"
@@ -52,6 +54,7 @@ class VerifyOptions:
     manifest: Path | None = None
     layers: int | None = None  # --model PATH only: keep the first N decoder layers [LAYERS]
     passes: tuple = ()  # scheduling passes (nhil.compiler.pipeline); () here = the default pipeline, set in __post_init__
+    prefill: bool = os.environ.get("NHIL_PREFILL", "program") != "token"
     kv_cache: str = "bf16"  # --kv-cache: bf16 | fp8 (E4M3, per-head scales; nhil.numerics.kv_fp8): folded into quant as kv_cache=fp8
 
     def __post_init__(self) -> None:

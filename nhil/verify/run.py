@@ -23,6 +23,7 @@ STAGE_TIMEOUTS = {
     "lower": 600,
     "encode": 600,
     "load_target": 1800,
+    "prefill_program": 600,
     "run_teacher_forced": 7200,
     "run_free": 7200,
     "repeat": 7200,

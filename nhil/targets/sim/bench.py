@@ -9,6 +9,7 @@ time per token from the same run.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -64,3 +65,75 @@ def sim_rows(r: dict) -> list[tuple[str, str, str, str]]:
          f"logits bit-identical: {ref['bit_identical']}"),
     ]
     return rows
+
+
+def prefill_speed(name: str = "llama", tokens: int = 64) -> dict:
+    """Simulator wall time of a ``tokens``-token prompt: the prefill program vs the same prompt token by token,
+    beside PyTorch eager's prefill (one forward over the prompt with a KV cache), in the same run.
+
+    Returns:
+        ``{"tokens", "transform_s", "prefill_s", "per_token_s", "eager_prefill_s", "bit_identical", "instructions",
+        "per_token_instructions"}``; ``bit_identical``: every prompt token's logits and the next decode step's logits
+        equal between the two paths.
+    """
+    import torch
+
+    from nhil.compiler import pipeline
+    from nhil.compiler.prefill import prefill_program
+    from nhil.models import get_model
+    from nhil.runtime import Runner
+    from nhil.targets.sim import SimTarget
+
+    b = get_model(name)
+    vocab = int(b.model.config.vocab_size)
+    ids = [int(x) for x in np.random.default_rng(0).integers(0, vocab, tokens)]
+    prog = pipeline.compile(b, "aim-like", max_cache_len=tokens + 16, model_name=name).program
+    out: dict = {"tokens": tokens, "per_token_instructions": len(prog.instrs) * tokens}
+    logits = {}
+    for use in (False, True):
+        t = SimTarget()
+        t.open()
+        r = Runner(prog, t)
+        r.reset()
+        if use:
+            t0 = time.perf_counter()
+            pf = Runner(prefill_program(prog, tokens), t)
+            pf.attach(r)
+            out["transform_s"] = time.perf_counter() - t0
+            out["instructions"] = len(pf.p.instrs)
+            t0 = time.perf_counter()
+            got = [o["logits"].copy() for o in pf.prefill(ids, 0)]
+            out["prefill_s"] = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            got = [r.step(tok, i)["logits"].copy() for i, tok in enumerate(ids)]
+            out["per_token_s"] = time.perf_counter() - t0
+        got.append(r.step(ids[0], tokens)["logits"].copy())
+        logits[use] = np.stack(got)
+    out["bit_identical"] = bool(np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32)))
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        best = float("inf")
+        for _ in range(3):  # best of 3 (the first call warms up)
+            cache = DynamicCache(config=b.model.config)
+            t0 = time.perf_counter()
+            b.model(input_ids=x, past_key_values=cache, use_cache=True, cache_position=torch.arange(tokens))
+            best = min(best, time.perf_counter() - t0)
+    out["eager_prefill_s"] = best
+    return out
+
+
+def prefill_rows(r: dict) -> list[tuple[str, str, str, str]]:
+    """Bench rows of :func:`prefill_speed`, once (on the ``llama`` model result)."""
+    if r.get("model") != "llama" or os.environ.get("NHIL_BENCH_PREFILL", "1") == "0":
+        return []
+    p = r["prefill"] = prefill_speed("llama", 64)
+    e = p["eager_prefill_s"]
+    return [
+        (f"simulate prefill of {p['tokens']} tokens, prefill program", f"{p['prefill_s']:.2f} s", f"{p['prefill_s'] / e:.1f}",
+         f"x eager prefill ({e:.3f} s, one forward; goal <= 3.0); +{p['transform_s']:.1f} s to build it; {p['instructions']:,} instructions"),
+        (f"simulate prefill of {p['tokens']} tokens, token by token (before)", f"{p['per_token_s']:.2f} s", f"{p['per_token_s'] / e:.1f}",
+         f"x eager prefill; {p['per_token_s'] / p['prefill_s']:.2f}x the prefill program's time; logits bit-identical: {p['bit_identical']}"),
+    ]

@@ -5,8 +5,10 @@ State (``docs/isa.md`` section "State"):
 * ``BANK[ch][bank][row][col]``: bf16 bits (uint16). Only rows in use are allocated: a
   row table maps a row index to a slot of a ``[channels, banks, slots, cols]`` array,
   grown on first write. A row never written reads as zero.
-* ``GB[ch][i]``: global buffer, bf16 bits, ``gb_elems`` per channel.
-* ``ACC[ch][bank][k]``: fp32 accumulators.
+* ``GB[ch][i]``: global buffer, bf16 bits, ``gb_elems`` per channel; with the prefill extension ``vectors``
+  of them, ``GB_j`` = ``gbs[j]`` (``gb`` is set 0).
+* ``ACC[ch][bank][k]``: fp32 accumulators; with the prefill extension (``DeviceConfig.vectors`` > 1)
+  ``vectors`` sets of them, ``ACC_j`` = ``accs[j]`` (``acc`` is set 0, the only set of ISA v0).
 * ``CFR[ch][reg]``: configuration registers (reg 0 = RD_ACC format: 0 fp32, 1 bf16;
   reg 1 = W_FMT, the weight format MACs read rows in: 0 bf16, else a code of
   ``nhil.numerics.formats``).
@@ -43,8 +45,10 @@ class PimState:
         self.row_slot = np.full(device.rows, -1, dtype=np.int64)
         self.mem = np.zeros((c, b, max(1, reserve_rows), device.cols), dtype=np.uint16)
         self.n_slots = 0
-        self.gb = np.zeros((c, device.gb_elems), dtype=np.uint16)
-        self.acc = np.zeros((c, b, device.accumulators), dtype=np.float32)
+        self.gbs = np.zeros((device.vectors, c, device.gb_elems), dtype=np.uint16)  # global buffers (prefill extension)
+        self.gb = self.gbs[0]  # GB set 0: the global buffer of ISA v0 (a view)
+        self.accs = np.zeros((device.vectors, c, b, device.accumulators), dtype=np.float32)  # accumulator sets
+        self.acc = self.accs[0]  # set 0: the accumulators of ISA v0 (a view)
         self.cfr = np.zeros((c, 4), dtype=np.int64)
         self.counts: dict[str, int] = {}
         self.macs = 0
@@ -71,8 +75,8 @@ class PimState:
         for s in self.row_slot[rows]:
             self.drop_decoded(int(s))
         self.mem[:, :, self.row_slot[rows], :] = 0
-        self.gb[:] = 0
-        self.acc[:] = 0
+        self.gbs[:] = 0
+        self.accs[:] = 0
         self.cfr[:] = 0
 
     def row_image(self, row: int) -> np.ndarray:
@@ -135,13 +139,17 @@ class PimState:
             self.acc[cs, bs, ins.k] = mac_bursts(self.acc[cs, bs, ins.k], w, a)
             self.macs += w.size
             return None
+        if op is Op.MAC_ABV:
+            self._mac_vectors(idx, ins)
+            return None
         if op is Op.RD_ACC or op is Op.WR_ACC:
             cs = self._chans(idx, ins)
-            flat = self.acc[cs, :, ins.k].reshape(-1)
+            acc = self.accs[ins.bank]  # the bank field selects the accumulator set
+            flat = acc[cs, :, ins.k].reshape(-1)
             if op is Op.WR_ACC:
                 p = self._payload(idx, ins, payload, ins.n, np.float32)
                 flat[ins.col : ins.col + ins.n] = p
-                self.acc[cs, :, ins.k] = flat.reshape(cs.stop - cs.start, d.banks)
+                acc[cs, :, ins.k] = flat.reshape(cs.stop - cs.start, d.banks)
                 return None
             out = flat[ins.col : ins.col + ins.n].copy()
             if self.cfr[cs.start, CFR_ACC_RD_FMT] == 1:
@@ -150,7 +158,7 @@ class PimState:
         if op is Op.WR_GB:
             cs = self._chans(idx, ins)
             sp = self._span(idx, ins, d.gb_elems, "global buffer")
-            self.gb[cs, sp] = self._payload(idx, ins, payload, sp.stop - sp.start, np.uint16)
+            self.gbs[ins.bank, cs, sp] = self._payload(idx, ins, payload, sp.stop - sp.start, np.uint16)  # bank = GB set
             return None
         if op is Op.WR_SBK:
             cs = self._chans(idx, ins)
@@ -216,6 +224,24 @@ class PimState:
             self.acc[cs, :, ins.k] = af_apply(a, ins.imm)
         else:
             self.acc[cs, :, ins.k] = (ew_mul if ins.op is Op.EWMUL else ew_add)(a, self.acc[cs, :, ins.imm])
+
+    def _mac_vectors(self, idx: int, ins: Instr) -> None:
+        """MAC_ABV (``docs/isa.md`` "Prefill extension"): bursts ``[col, col+n)`` of row ``row`` of every bank, read
+        once, MAC'd with the same bursts of each global buffer ``GB_j``, ``j < V = imm``, into accumulator ``k`` of
+        set ``j``; each set's arithmetic is exactly MAC_AB's (``mac_bursts``)."""
+        cs = self._chans(idx, ins)
+        if self.cfr[cs, CFR_W_FMT].any():
+            raise self._err(idx, ins, "MAC_ABV reads bf16 rows only (CFR W_FMT must be 0); quantized rows take MAC_AB per token")
+        d = self.d
+        L, n = d.lanes, ins.n
+        sp = slice(ins.col * L, (ins.col + n) * L)
+        s = self.slot(ins.row, allocate=False)
+        nc = cs.stop - cs.start
+        w = np.zeros((nc, d.banks, n * L), np.float32) if s < 0 else bf16_bits_to_f32(self.mem[cs, :, s, sp])
+        for j in range(ins.imm):
+            a = bf16_bits_to_f32(self.gbs[j, cs, sp])[:, None, :]
+            self.accs[j, cs, :, ins.k] = mac_bursts(self.accs[j, cs, :, ins.k], w, a)
+        self.macs += w.size * ins.imm
 
     # ------------------------------------------------------------ quantized weights
     def drop_decoded(self, s: int) -> None:

@@ -9,6 +9,8 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
   per-MAC copy and fp32 decode of the row), bursts summed in their fixed order. An
   instruction's bounds are checked once per distinct instruction word (cached); one that
   fails its checks goes to ``PimState.step``, which raises the named error.
+* **MAC_ABV** (prefill extension, bf16 rows) runs in ``kernels.mac_bf16_vec``: each weight burst read once for
+  every vector.
 * **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
   distinct locations become one scatter into the bank state.
 * Everything else (and quantized MACs, whose decoded rows ``PimState`` already caches per
@@ -44,6 +46,9 @@ class FastPimState(PimState):
             idx, ins, payload = block[i]
             op = ins.op
             if (op is Op.MAC_AB or op is Op.MAC_SB) and kernels.AVAILABLE and self._mac(ins):
+                i += 1
+                continue
+            if op is Op.MAC_ABV and kernels.AVAILABLE and self._mac_v(ins):
                 i += 1
                 continue
             if op is Op.WR_SBK:
@@ -89,6 +94,25 @@ class FastPimState(PimState):
         self.counts[name] = self.counts.get(name, 0) + 1
         kernels.mac_bf16(self.mem, self.gb, self.acc, c0, c1, b0, b1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n)
         self.macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
+        return True
+
+    def _mac_v(self, ins) -> bool:
+        """One MAC_ABV through the kernel; False (nothing done) when it needs ``step`` (bad fields, quantized rows)."""
+        d = self.d
+        if (ins.row >= d.rows or ins.k >= d.accumulators or ins.n == 0 or (ins.col + ins.n) * d.lanes > d.cols
+                or not 1 <= ins.imm <= d.vectors or (ins.col + ins.n) * d.lanes > d.gb_elems):
+            return False
+        if ins.flags & ALL_CH:
+            c0, c1 = 0, d.channels
+        elif ins.ch < d.channels:
+            c0, c1 = ins.ch, ins.ch + 1
+        else:
+            return False
+        if self.cfr[c0:c1, CFR_W_FMT].any():
+            return False
+        self.counts["MAC_ABV"] = self.counts.get("MAC_ABV", 0) + 1
+        kernels.mac_bf16_vec(self.mem, self.gbs, self.accs, c0, c1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n, ins.imm)
+        self.macs += (c1 - c0) * d.banks * ins.n * d.lanes * ins.imm
         return True
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:

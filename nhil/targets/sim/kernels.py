@@ -1,6 +1,7 @@
 """Compiled inner loops of the simulator's fast path (``nhil.targets.sim.fast``).
 
-One kernel today: the bf16 MAC (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0) of
+Two kernels: the multi-vector MAC of the prefill extension (``MAC_ABV``, :func:`mac_bf16_vec`: each weight
+burst read once, MAC'd into every vector's accumulator with the same arithmetic), and the bf16 MAC (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0) of
 ``docs/numerics.md`` section "MAC", written as a loop that numba compiles:
 
 * weights are read straight from the bank state (uint16 bf16 bits, widened in a register:
@@ -86,3 +87,74 @@ def _mac_bf16_py(mem, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no cove
 
 
 mac_bf16 = njit(cache=True, nogil=True)(_mac_bf16_py) if AVAILABLE else None
+
+
+def _mac_bf16_vec_py(mem, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
+    """In place, MAC_ABV: for c in [c0, c1), every bank b, j < nv: ``accs[j, c, b, k]`` absorbs bursts [col, col+n)
+    of row slot ``s`` against the same bursts of global buffer ``gbs[j, c]`` (the arithmetic of :func:`_mac_bf16_py` per set).
+
+    The activations are laid out lane-major (``a[(burst*16 + lane)*nv + vector]``) so the innermost loop runs
+    over the vectors with unit stride: each vector's products and tree are its own (the same IEEE operations
+    in the same order), so LLVM may run several vectors per SIMD instruction without changing a bit.
+
+    Args:
+        mem: uint16 [channels, banks, row slots, cols]; gbs: uint16 [sets, channels, gb_elems];
+        accs: float32 [sets, channels, banks, accumulators], updated in place;
+        s: row slot (-1: a row never written, reads as zero); nv: vectors (sets) served.
+    """
+    nb = mem.shape[1]
+    wbuf = np.empty(16, np.uint32)
+    wf = wbuf.view(np.float32)
+    abuf = np.empty(16 * n * nv, np.uint32)
+    af = abuf.view(np.float32)
+    xs = np.empty(nv, np.float32)
+    nanbuf = np.empty(1, np.uint32)
+    nanbuf[0] = 0x7FC00000
+    cnan = nanbuf.view(np.float32)[0]
+    e0 = col * 16
+    for c in range(c0, c1):
+        for v in range(nv):
+            for i in range(16 * n):
+                abuf[i * nv + v] = np.uint32(gbs[v, c, e0 + i]) << 16
+        for b in range(nb):
+            for v in range(nv):
+                xs[v] = accs[v, c, b, k]
+            for j in range(n):
+                o = e0 + j * 16
+                if s >= 0:
+                    for i in range(16):
+                        wbuf[i] = np.uint32(mem[c, b, s, o + i]) << 16
+                else:
+                    for i in range(16):
+                        wbuf[i] = 0
+                w0, w1, w2, w3, w4, w5, w6, w7 = wf[0], wf[1], wf[2], wf[3], wf[4], wf[5], wf[6], wf[7]
+                w8, w9, w10, w11, w12, w13, w14, w15 = wf[8], wf[9], wf[10], wf[11], wf[12], wf[13], wf[14], wf[15]
+                q = j * 16 * nv
+                for v in range(nv):
+                    r = q + v
+                    p0 = w0 * af[r]
+                    p1 = w1 * af[r + nv]
+                    p2 = w2 * af[r + 2 * nv]
+                    p3 = w3 * af[r + 3 * nv]
+                    p4 = w4 * af[r + 4 * nv]
+                    p5 = w5 * af[r + 5 * nv]
+                    p6 = w6 * af[r + 6 * nv]
+                    p7 = w7 * af[r + 7 * nv]
+                    p8 = w8 * af[r + 8 * nv]
+                    p9 = w9 * af[r + 9 * nv]
+                    p10 = w10 * af[r + 10 * nv]
+                    p11 = w11 * af[r + 11 * nv]
+                    p12 = w12 * af[r + 12 * nv]
+                    p13 = w13 * af[r + 13 * nv]
+                    p14 = w14 * af[r + 14 * nv]
+                    p15 = w15 * af[r + 15 * nv]
+                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                    xs[v] = xs[v] + d
+            for v in range(nv):
+                x = xs[v]
+                if x != x:
+                    x = cnan
+                accs[v, c, b, k] = x
+
+
+mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
