@@ -8,7 +8,7 @@
   ``a = fp32(LUT_silu[bf16(g)] * u)`` instead of the host's fp32 ``silu(g) * u``; the device-numerics
   reference computes the same (``nhil.golden.quant_ew``), listed in ``info["ew_silu"]``.
 * ``ew-residual``: ``GEMV -> o; SYNC; HOST add(x, o) -> y`` (the residual add after o_proj /
-  down) becomes the GEMV with ``x``'s slice of each row-group written into a spare accumulator
+  down) becomes the GEMV with, before each readback, ``x``'s slice written into a spare accumulator
   (``WR_ACC``), ``EWADD`` of it, and the ``RD_ACC`` of the sum into ``y``; the host kernel is
   gone. Bit-identical: fp32 addition commutes, so ``fp32(o + x)`` is the host's ``fp32(x + o)``
   (a NaN sum is the canonical NaN on the device; the host may keep a payload).
@@ -119,8 +119,9 @@ def _swiglu(p, run, hop, operands, users):
 
 
 def _residual(p, run, hop, operands, users):
-    """The run unchanged, plus: ``x``'s slice of each readback written into an accumulator the run never uses
-    (``WR_ACC`` at the start of the run), ``EWADD`` right before each ``RD_ACC``, which now reads into ``y``."""
+    """The run unchanged, plus, right before each ``RD_ACC`` (which now reads into ``y``): ``x``'s slice written into an
+    accumulator the run never uses (``WR_ACC``) and ``EWADD`` of it. Kept next to the readback, inside the GEMV
+    accumulator's lifetime, so a prefill program (``nhil.compiler.prefill``) repeats the segment per token."""
     from nhil.isa.instr import CFR_ACC_RD_FMT, OPINFO
 
     x, o = hop.inputs
@@ -136,13 +137,13 @@ def _residual(p, run, hop, operands, users):
     spare = [k for k in range(p.device.accumulators) if k not in used]
     if len(spare) < len(rds):
         return None
-    head, body = [], list(run)
+    body = list(run)
     for j, kx in zip(reversed(rds), reversed(spare[: len(rds)])):
         r = run[j]
         op = operands[r.operand]
-        head.insert(0, Instr(Op.WR_ACC, ALL_CH, k=kx, col=r.col, n=r.n, operand=_operand(operands, x, op.offset, op.count)))
-        body[j : j + 1] = [Instr(Op.EWADD, ALL_CH, k=r.k, imm=kx), r._replace(operand=_operand(operands, y, op.offset, op.count))]
-    return head + body
+        wr = Instr(Op.WR_ACC, ALL_CH, k=kx, col=r.col, n=r.n, operand=_operand(operands, x, op.offset, op.count))
+        body[j : j + 1] = [wr, Instr(Op.EWADD, ALL_CH, k=r.k, imm=kx), r._replace(operand=_operand(operands, y, op.offset, op.count))]
+    return body
 
 
 def _emit(pairs, gb, tail, acc: int) -> list[Instr] | None:
