@@ -12,8 +12,9 @@ tokens/s per decode step, GEMV bandwidth achieved / timing-bound best / device p
 rooflines (PIM peak, external-bandwidth-bound, GPU-HBM-bound with ``--gpu-gbs``) and
 the speed-ups, each before/after the program-stage scheduling passes, for a reordering
 controller and an in-order sequencer; plus the simulator's time with the timing model on
-vs off. The pass ablation (``nhil.timing.ablation``: naive baseline, each pass added,
-each removed; `llama` as the shape-only ``smollm2-135m`` config and ``llama3-8b``) and the
+vs off; the host share of SmolLM2's step before/after the opt-in host passes
+(``nhil.timing.host_share``: host-overlap, ew-swiglu, ew-residual). The pass ablation
+(``nhil.timing.ablation``: naive baseline, each pass added, each removed; `llama` as the shape-only ``smollm2-135m`` config and ``llama3-8b``) and the
 device-parameter study print as a second table.
 
 Other targets add rows through :data:`ROW_PROVIDERS`: callables
@@ -357,6 +358,10 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     from nhil.timing.prefill import bench_prefill, prefill_rich_table
 
     prefill = bench_prefill(gpu_gbs=gpu_gbs)  # issue 17 item 2
+    print("[bench] smollm2-135m host share, before/after the opt-in host passes ...", file=sys.stderr, flush=True)
+    from nhil.timing.host_share import BENCH_CACHE_LENS, host_share_study, host_share_table_rows
+
+    hshare = [host_share_study(max_cache_len=L, gpu_gbs=gpu_gbs) for L in BENCH_CACHE_LENS]  # issue 17 item 4
     from nhil.compiler.schedule import PIPELINE
 
     t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PIPELINE)})")
@@ -376,6 +381,10 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
         for prov in ROW_PROVIDERS:
             for row in prov(r):
                 t.add_row("", *row)
+    for hs in hshare:
+        t.add_row(f"{hs['config']} (shape-only)", "", "", "", "")
+        for row in host_share_table_rows(hs):
+            t.add_row("", *row)
     if matrix is not None:
         matrix = dict(matrix)
         engine = matrix.pop("engine", "xdist")  # xdist | ray | both (nhil/cluster/bench.py)
@@ -396,7 +405,7 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
         Console(width=180).print(_ablation_table(ab, study))
     Console(width=180).print(batch_rich_table(batch))
     Console(width=180).print(prefill_rich_table(prefill))
-    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else []) + [{"batch": batch}, {"prefill": prefill}]
+    out = rows + [{"ablation": a} for a in ab] + ([{"device_study": study}] if study else []) + [{"batch": batch}, {"prefill": prefill}, {"host_share": hshare}]
     atomic_write_text(output, json.dumps(out, indent=2, default=float))
     print(f"[bench] saved {output}", file=sys.stderr)
     return rows

@@ -115,12 +115,15 @@ def test_unknown_opcode_inside_program_file():
         Program.decode(bytes(data))
 
 
-def test_reserved_opcode_fails_at_load_not_at_run():
+def test_elementwise_opcode_fails_at_load_on_a_target_without_it():
+    """EWMUL/EWADD/AF: the simulator implements them (tests/test_ew_ops.py); a target whose capabilities lack them refuses at load."""
+    from nhil.targets.base import DEVICE_OPS, Capabilities, check_program_fits
+
     prog = _small_program()
     prog.instrs.insert(0, Instr(Op.EWMUL, 1))
-    t = get_target("sim")
-    with pytest.raises(LoadError, match="EWMUL"):
-        t.load(prog)
+    get_target("sim").load(prog)
+    with pytest.raises(LoadError, match="does not implement EWMUL .*claimed by the simulator only"):
+        check_program_fits(prog, Capabilities(0, DEVICE_OPS, frozenset({"bf16"}), prog.device), "rtl")
 
 
 def test_validate_rejects_out_of_range_operand():

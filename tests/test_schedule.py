@@ -56,6 +56,7 @@ def _same(a, b):
 
 
 SUBSETS = [(), PIPELINE] + [tuple(q for q in PIPELINE if q != n) for n in PIPELINE] + [(n,) for n in PIPELINE]
+SUBSETS += [PIPELINE + ("host-overlap",), ("host-overlap",)]  # the opt-in pass (nhil.compiler.host_overlap), on the full pipeline and alone
 
 
 @pytest.mark.parametrize("passes", SUBSETS, ids=lambda s: "+".join(s) or "baseline")
@@ -66,6 +67,14 @@ def test_any_pass_subset_is_bit_identical_on_llama_tiny(tiny_graph, tiny, passes
     if {"bank-spread", "row-locality", "handoff-batch"} - set(passes):
         assert prog.instrs != tiny.instrs  # the subset really changed the program
     _same(_run(tiny), _run(prog))
+
+
+def test_host_overlap_only_reorders(tiny_graph):
+    """host-overlap keeps every instruction and moves some (the V appends ahead of the K appends, WR_ACC zeros ahead of WR_GBs)."""
+    base, ov = _compile(tiny_graph, PIPELINE), _compile(tiny_graph, PIPELINE + ("host-overlap",))
+    assert sorted(base.instrs) == sorted(ov.instrs) and base.instrs != ov.instrs
+    bars = lambda p: [i for i in p.instrs if i.op in (Op.SYNC, Op.EOC)]  # noqa: E731
+    assert bars(base) == bars(ov)
 
 
 def test_full_pipeline_matches_pytorch_golden_tokens(tiny_graph):
@@ -91,7 +100,9 @@ def test_pass_manager_validates_and_orders():
     with pytest.raises(SetupError, match="unknown scheduling pass.*'nope'.*row-locality"):
         PassManager(["nope"])
     assert PassManager(["gb-overlap", "row-locality"]).passes == ("row-locality", "gb-overlap")
-    assert PassManager().passes == PIPELINE and set(PIPELINE) == set(PASS_INFO)
+    assert PassManager().passes == PIPELINE and set(PIPELINE) == {n for n, i in PASS_INFO.items() if i.default}
+    assert "host-overlap" in PASS_INFO and "host-overlap" not in PIPELINE  # opt-in (issue 17 item 4)
+    assert PassManager(["host-overlap", "gb-overlap"]).passes == ("gb-overlap", "host-overlap")
     with pytest.raises(SetupError, match="unknown program pass"):
         apply_passes(None, ["gb-overlap"])
 

@@ -72,8 +72,10 @@ def _units(instrs: list[Instr]) -> list[tuple[str, object]]:
             if ins.op is Op.WR_ACC and (ins.bank, ins.k) not in used:
                 moved.append(i)
                 continue
-            if ins.op in (Op.MAC_AB, Op.MAC_SB, Op.RD_ACC):
+            if ins.op in (Op.MAC_AB, Op.MAC_SB, Op.RD_ACC) or ins.op in _EW:
                 used.add((0, ins.k))
+                if ins.op in (Op.EWMUL, Op.EWADD):  # the elementwise ops read a second accumulator (docs/isa.md)
+                    used.add((0, ins.imm))
             keep.append(i)
         run = carry + keep[::-1]
         carry = moved[::-1]
@@ -239,6 +241,7 @@ def prefill_program(decode: Program, tokens: int, extension: bool = True) -> Pro
 
 
 LIFTABLE = frozenset({Op.WR_GB, Op.WR_ACC, Op.RD_ACC, Op.MAC_AB})  # ops with a per-token (set j) form
+_EW = frozenset({Op.EWMUL, Op.EWADD, Op.AF})  # accumulator set 0 only (docs/isa.md "Elementwise ops"): segments holding them repeat per token
 
 
 class _StreamState:
@@ -276,13 +279,14 @@ def _segments(p: Program, run: list[int], extension: bool) -> list[tuple[bool, l
     live_until: dict[int, int] = {}  # accumulator -> last position of its current lifetime
     inside = [False] * (len(ins) + 1)  # inside[x]: a lifetime spans the boundary before position x
     for x, it in enumerate(ins):
-        if it.op in (Op.WR_ACC, Op.MAC_AB, Op.MAC_SB, Op.RD_ACC):
+        if it.op in (Op.WR_ACC, Op.MAC_AB, Op.MAC_SB, Op.RD_ACC) or it.op in _EW:
             if it.op is Op.WR_ACC:
                 live_until[it.k] = x
-            elif it.k in live_until:
-                for y in range(live_until[it.k] + 1, x + 1):
-                    inside[y] = True
-                live_until[it.k] = x
+            for a in (it.k, it.imm) if it.op in (Op.EWMUL, Op.EWADD) else () if it.op is Op.WR_ACC else (it.k,):
+                if a in live_until:  # an elementwise op's operands stay live up to it (set 0 only: never lifted)
+                    for y in range(live_until[a] + 1, x + 1):
+                        inside[y] = True
+                    live_until[a] = x
     out: list[list] = []
     for x, (i, it) in enumerate(zip(run, ins)):
         lift = extension and it.op in LIFTABLE and (it.op is Op.MAC_AB or it.bank == 0)

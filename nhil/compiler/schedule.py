@@ -39,7 +39,14 @@ Passes (in pipeline order) and what their absence means:
   allows). Baseline: commands issue in program order, so these serialise with the MACs
   (``TimingEngine(inorder=True)``).
 
-Numerics: no pass changes any value. Every accumulator receives the same bursts (rows,
+Opt-in passes (``PassInfo.default = False``: not in :data:`PIPELINE`, so the zoo programs are
+unchanged; :data:`ORDER` is the order of every pass): ``ew-swiglu`` and ``ew-residual``
+(``nhil.compiler.ew_lower``: SwiGLU gating and residual adds as the in-device EWMUL / EWADD / AF;
+``ew-swiglu`` changes values, to what ``info["ew_silu"]`` tells the reference) and ``host-overlap``
+(``nhil.compiler.host_overlap``: device work next to the host kernels it does not depend on, timed
+with host/device overlap).
+
+Numerics: no default pass changes any value. Every accumulator receives the same bursts (rows,
 columns, global-buffer contents) in the same order (a MAC of ``n`` bursts accumulates
 burst by burst, ``nhil.numerics.mac.mac_bursts``, so cutting it into column pieces is
 exact), and the placement only moves whole output rows between slots; outputs are **bit-identical** for every
@@ -234,6 +241,7 @@ class PassInfo:
     does: str
     baseline: str
     fn: Callable[[Program], Program] | None = None
+    default: bool = True  # in the default pipeline (PIPELINE); opt-in passes (False) reorder or change the zoo programs
 
 
 PASS_INFO: dict[str, PassInfo] = {
@@ -244,7 +252,36 @@ PASS_INFO: dict[str, PassInfo] = {
     "gemv-batch": PassInfo("gemv-batch", "program", "accumulator batches span matrices that share an input (q/k/v, gate/up)", "batches of one matrix at a time", gemv_batch),
     "gb-overlap": PassInfo("gb-overlap", "command", "WR_GB / RD_ACC / WR_ACC bursts interleaved with MAC bursts", "commands issue in program order (GB writes serialised with MACs)"),
 }
-PIPELINE: tuple[str, ...] = tuple(PASS_INFO)  # the default pipeline: every pass, in this order
+
+
+def _host_overlap(p: Program) -> Program:
+    from nhil.compiler.host_overlap import host_overlap
+
+    return host_overlap(p)
+
+
+def _ew_swiglu(p: Program) -> Program:
+    from nhil.compiler.ew_lower import ew_swiglu
+
+    return ew_swiglu(p)
+
+
+def _ew_residual(p: Program) -> Program:
+    from nhil.compiler.ew_lower import ew_residual
+
+    return ew_residual(p)
+
+
+# opt-in passes (issue 17 item 4; not in the default pipeline: they reorder / change the zoo programs)
+PASS_INFO["ew-swiglu"] = PassInfo("ew-swiglu", "program", "SwiGLU's silu(g)*u in the device: AF silu + EWMUL on the gate/up accumulators (values: LUT SiLU, docs/isa.md)",
+                                  "HOST silu_mul on read-back gate and up", _ew_swiglu, default=False)
+PASS_INFO["ew-residual"] = PassInfo("ew-residual", "program", "residual adds after o_proj / down in the device: WR_ACC x + EWADD (bit-identical)",
+                                    "HOST add on the read-back GEMV output", _ew_residual, default=False)
+PASS_INFO["host-overlap"] = PassInfo("host-overlap", "program", "device work independent of a host kernel moved next to it; the timing model overlaps them",
+                                     "host kernels and hand-offs idle the device", _host_overlap, default=False)
+ORDER: tuple[str, ...] = tuple(PASS_INFO)  # every pass, in the order a pass list runs them
+PIPELINE: tuple[str, ...] = tuple(n for n in ORDER if PASS_INFO[n].default)  # the default pipeline, in this order
+OPT_IN: tuple[str, ...] = tuple(n for n in ORDER if not PASS_INFO[n].default)
 PASSES: dict[str, Callable[[Program], Program]] = {n: i.fn for n, i in PASS_INFO.items() if i.stage == "program"}  # Program -> Program passes
 NAIVE_PIECES = 4  # column pieces per row chunk without row-locality
 

@@ -221,8 +221,9 @@ class QuantReference(torch.fx.Interpreter):
             this reference does not model (e.g. ``nhil::moe``, cache-less ``attention``).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, plan=None, mode: str = "device") -> None:
+    def __init__(self, gm: torch.fx.GraphModule, plan=None, mode: str = "device", ew_silu=()) -> None:
         super().__init__(gm)
+        self.ew_silu = frozenset(ew_silu)  # silu_mul nodes the program computes in the device (info["ew_silu"], nhil.golden.quant_ew)
         if mode not in MODES:
             raise CompileError(f"unknown quantized-reference mode {mode!r}; use one of {', '.join(MODES)}")
         self.plan = plan
@@ -335,6 +336,10 @@ class QuantReference(torch.fx.Interpreter):
             return self._moe_experts(*args, **kwargs)
         if ns == "nhil" and op == "mla_kv" and self.mode == "device":
             return self._mla_kv(*args, **kwargs)
+        if ns == "nhil" and op == "silu_mul" and self.mode == "device" and self._current_node.name in self.ew_silu:
+            from nhil.golden.quant_ew import ew_silu_mul
+
+            return ew_silu_mul(*args)
         if ns == "nhil" and op in RECURRENT_OPS and self.mode == "device":
             return self.recurrent.call(op, args, kwargs)  # bf16-stored states, S·C as a bf16 MAC (quant_recurrent)
         # every other nhil primitive, getitem, and ATen left in the graph (host regions the lowering runs as

@@ -53,9 +53,9 @@ class Op(enum.IntEnum):
     SYNC = 0x0C
     EOC = 0x0D
     MAC_ABV = 0x0E  # prefill extension: one row activation, several GB vectors into several accumulator sets
-    EWMUL = 0x10  # reserved in v0: no target implements it
-    EWADD = 0x11  # reserved in v0
-    AF = 0x12  # reserved in v0
+    EWMUL = 0x10  # in-device elementwise ops (docs/isa.md "Elementwise ops"): claimed by the simulator only
+    EWADD = 0x11
+    AF = 0x12
     HOST = 0x20  # host-kernel call; split off by the runtime, never sent to a device
 
 
@@ -84,13 +84,14 @@ OPINFO: dict[Op, OpInfo] = {
     Op.SYNC: OpInfo(False, False, ()),
     Op.EOC: OpInfo(False, False, ()),
     Op.MAC_ABV: OpInfo(False, False, ("ch", "row", "col", "n", "k", "imm")),
-    Op.EWMUL: OpInfo(False, False, ("ch", "bank", "row", "col", "n")),
-    Op.EWADD: OpInfo(False, False, ("ch", "bank", "row", "col", "n")),
-    Op.AF: OpInfo(False, False, ("ch", "k")),
+    Op.EWMUL: OpInfo(False, False, ("ch", "k", "imm")),  # ACC k = ACC k * ACC imm
+    Op.EWADD: OpInfo(False, False, ("ch", "k", "imm")),  # ACC k = ACC k + ACC imm
+    Op.AF: OpInfo(False, False, ("ch", "k", "imm")),  # ACC k = LUT_imm[bf16(ACC k)]
     Op.HOST: OpInfo(False, False, ("imm",), device=False),
 }
 
-RESERVED_OPS = frozenset({Op.EWMUL, Op.EWADD, Op.AF})
+EW_OPS = frozenset({Op.EWMUL, Op.EWADD, Op.AF})  # in-device elementwise ops: only targets that list them implement them
+RESERVED_OPS = EW_OPS  # not in every target's v0 set (RTL and FPGA refuse them at load); the name predates their semantics
 EXTENSION_OPS = frozenset({Op.MAC_ABV})  # beyond ISA v0's base: claimed only by targets whose device has ``vectors`` > 1
 
 # CFR registers (SET_CFR k=<reg>, imm=<value>)

@@ -181,7 +181,7 @@ class Program:
         return {i.op for i in self.instrs if OPINFO[i.op].device}
 
     def uses_reserved(self) -> set[Op]:
-        """Reserved (unimplemented in v0) opcodes the program uses."""
+        """Elementwise opcodes (EWMUL / EWADD / AF: simulator only, RTL and FPGA refuse them) the program uses."""
         return self.required_ops() & RESERVED_OPS
 
     # ------------------------------------------------------------------ encode

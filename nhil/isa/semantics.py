@@ -27,9 +27,11 @@ d.gb_elems / L):
 | SET_CFR | < channels or ALL_CH | | | register 0 (imm 0/1) or 1 (weight format code) | | |
 | MAC_ABV | same as MAC_AB | | < rows | < accumulators | n >= 1, col + n <= min(row, gb) bursts; imm = V vectors, 1 <= V <= vectors | |
 | NOP, SYNC, EOC, HOST | | | | | | |
+| EWMUL, EWADD | same as WR_GB | | | < accumulators (and imm < accumulators) | | |
+| AF | same | | | < accumulators (imm: a function id of ``nhil.numerics.ew.AF_FUNCS``) | | |
 
-Reserved opcodes (EWMUL, EWADD, AF) are not refused here: a target that does not claim them
-makes the run SKIPPED (``nhil.targets.base.unclaimed``).
+The elementwise opcodes (EWMUL, EWADD, AF) are claimed by the simulator only: a target that does not
+claim them refuses the program at load (``nhil.targets.base.check_program_fits``).
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ SEMANTICS: dict[Op, OpSemantics] = {
     Op.SET_CFR: OpSemantics("any", k="cfr", pseudo="CFR[ch][k] = imm"),
     Op.MAC_ABV: OpSemantics("any", row=True, k="acc", span="row_gb",
                             pseudo="for every bank b, j < imm: ACC_j[ch][b][k] += dot(ROW[ch][b][row][bursts col..col+n), GB_j[ch][same])"),
-    Op.EWMUL: OpSemantics(pseudo="reserved in ISA v0"),
-    Op.EWADD: OpSemantics(pseudo="reserved in ISA v0"),
-    Op.AF: OpSemantics(pseudo="reserved in ISA v0"),
+    Op.EWMUL: OpSemantics("any", k="acc", pseudo="for every bank b: ACC[ch][b][k] = fp32(ACC[ch][b][k] * ACC[ch][b][imm])"),
+    Op.EWADD: OpSemantics("any", k="acc", pseudo="for every bank b: ACC[ch][b][k] = fp32(ACC[ch][b][k] + ACC[ch][b][imm])"),
+    Op.AF: OpSemantics("any", k="acc", pseudo="for every bank b: ACC[ch][b][k] = LUT_imm[bf16(ACC[ch][b][k])] (nhil.numerics.ew)"),
 }
 
 
@@ -123,6 +125,9 @@ def check_instr(ins: Instr, d: DeviceConfig, operand_count: int | None = None) -
         return f"MAC_ABV of {ins.imm} vectors: device {d.name} has {d.vectors} global buffers / accumulator sets (1 <= imm <= {d.vectors})"
     if ins.op is Op.WR_SBK and ins.k not in ((0, 1, 2, 3) if pos_col else (0, 1, 2)):
         return f"WR_SBK byte select k={ins.k}: 0 (words), 1 / 2 (low / high byte), 3 (byte bound from the position, POS_COL only)"
+    why = _check_ew(ins, d)
+    if why:
+        return why
     if s.k == "cfr":
         from nhil.isa.instr import CFR_ACC_RD_FMT, CFR_W_FMT
 
@@ -151,4 +156,16 @@ def check_instr(ins: Instr, d: DeviceConfig, operand_count: int | None = None) -
             return f"operand of {operand_count} elements, WR_ACC n={ins.n} writes exactly {most}"
         if not 1 <= operand_count <= max(most, 1):
             return f"operand of {operand_count} elements, the instruction moves at most {most}"
+    return None
+
+
+def _check_ew(ins: Instr, d: DeviceConfig) -> str | None:
+    """The ``imm`` operand of the elementwise ops: a second accumulator (EWMUL / EWADD) or a known AF function."""
+    if ins.op in (Op.EWMUL, Op.EWADD) and ins.imm >= d.accumulators:
+        return f"second accumulator (imm) {ins.imm} >= {d.accumulators}"
+    if ins.op is Op.AF:
+        from nhil.numerics.ew import AF_FUNCS
+
+        if ins.imm not in AF_FUNCS:
+            return f"unknown AF function {ins.imm} (known: {', '.join(f'{k} {v}' for k, v in AF_FUNCS.items())})"
     return None

@@ -212,8 +212,9 @@ def check_program_fits(program: Program, caps: Capabilities, target: str) -> Non
     need = program.required_ops()
     missing = sorted(o.name for o in need - set(caps.ops))
     if missing:
-        reserved = sorted(o.name for o in need & RESERVED_OPS)
-        extra = f" ({', '.join(reserved)} reserved in ISA v0)" if reserved else ""
+        ew = sorted(o.name for o in (need - set(caps.ops)) & RESERVED_OPS)
+        extra = (f" ({', '.join(ew)}: in-device elementwise ops, docs/isa.md \"Elementwise ops\", claimed by the simulator only; "
+                 f"recompile without the passes {', '.join(EW_PASSES)} or run on TARGET=sim)") if ew else ""
         raise LoadError(f"target {target} does not implement {', '.join(missing)}{extra}; the program needs them")
     fmts = set(program.info.get("weight_formats", ["bf16"]))
     if not fmts <= set(caps.formats):
@@ -225,4 +226,5 @@ def check_program_fits(program: Program, caps: Capabilities, target: str) -> Non
         )
 
 
-DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS - EXTENSION_OPS  # ISA v0's base opcodes
+DEVICE_OPS = frozenset(o for o, i in OPINFO.items() if i.device) - RESERVED_OPS - EXTENSION_OPS  # ISA v0's base opcodes (what RTL and FPGA implement)
+EW_PASSES = ("ew-swiglu", "ew-residual")  # the opt-in passes that emit EWMUL / EWADD / AF (nhil.compiler.ew_lower)

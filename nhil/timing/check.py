@@ -24,7 +24,7 @@ from collections import defaultdict
 
 from nhil.errors import NhilError
 from nhil.isa.device import DeviceConfig
-from nhil.timing.commands import ACT, ALL, BANK_COLUMN, EXT_BUS, KINDS, MAC, PRE, RD, RDACC, RDCP, READS, REF, WR, WRCP, WRGB, WRITES, Cmd
+from nhil.timing.commands import ACT, ALL, BANK_COLUMN, EW, EXT_BUS, KINDS, MAC, PRE, RD, RDACC, RDCP, READS, REF, WR, WRCP, WRGB, WRITES, Cmd
 from nhil.timing.table import TimingTable
 
 NEG = -(1 << 40)
@@ -162,6 +162,12 @@ def check_stream(cmds: list[Cmd], d: DeviceConfig, T: TimingTable, raise_first: 
                     if w is not None and t - w < T.nCWLGB:
                         bad(c, f"nCWLGB: GB burst {c.col} written at {w}")
                     acc_mac[c.k] = t
+                if k == EW:  # elementwise op on accumulators c.k and c.col: after their MACs, result nEW later
+                    for a in {c.k, c.col}:
+                        m = acc_mac.get(a)
+                        if m is not None and t - m < T.nMACLAT:
+                            bad(c, f"nMACLAT: last MAC / EW on accumulator {a} at {m} is {t - m} < {T.nMACLAT} cycles before")
+                    acc_mac[c.k] = t + T.nEW - T.nMACLAT
                 if k == RDACC:
                     m = acc_mac.get(c.k)
                     if m is not None and t - m < T.nMACLAT:

@@ -20,6 +20,7 @@ Rules (``docs/timing-model.md``):
 * ``WR_ABK``: all-bank ``PRE``/``ACT``, ``n`` x ``WR`` (all banks).
 * ``WR_GB col n``: ``n`` x ``WRGB``. ``WR_ACC``/``RD_ACC``: ``ceil(4*m/32)`` x ``WRACC``/``RDACC``
   bursts for the ``m`` accumulators of the channel the slot range covers (none if ``m = 0``).
+* ``EWMUL``/``EWADD``/``AF``: one ``EW`` command (all banks; accumulators only, no row, no bus burst).
 * ``SET_CFR``, ``NOP``: no command. ``SYNC``, ``EOC``, ``HOST``: no command (barriers and
   host time are handled by the engine).
 * ``REF`` is never produced by the unroller; the engine inserts it.
@@ -36,7 +37,8 @@ ALL = -1  # bank = ALL: an all-bank command (ACT16 / PRE_AB / MAC16 / WR to ever
 
 # command kinds
 ACT, PRE, MAC, WRGB, WRACC, RDACC, WR, RD, RDCP, WRCP, REF = "ACT", "PRE", "MAC", "WRGB", "WRACC", "RDACC", "WR", "RD", "RDCP", "WRCP", "REF"
-KINDS = (ACT, PRE, MAC, WRGB, WRACC, RDACC, WR, RD, RDCP, WRCP, REF)
+EW = "EW"  # an elementwise op on the accumulators (EWMUL / EWADD / AF): col = the second accumulator, k = the first
+KINDS = (ACT, PRE, MAC, WRGB, WRACC, RDACC, WR, RD, RDCP, WRCP, REF, EW)
 BANK_COLUMN = frozenset({MAC, WR, RD, RDCP, WRCP})  # column commands on the bank side (nCCD apart)
 EXT_BUS = frozenset({WRGB, WRACC, RDACC, WR, RD})  # commands moving a burst over the external bus (nBL apart)
 READS = frozenset({MAC, RD, RDCP})  # read-type bank access (nRTP before PRE)
@@ -150,4 +152,6 @@ def unroll_instr(ins: Instr, d: DeviceConfig, ch: int, open_rows: list[int]) -> 
     elif op is Op.COPY_GB_BK:
         _open(plan, open_rows, ins.bank, ins.row)
         plan.append(Plan(WRCP, ins.bank, ins.row, ins.col, ins.n))
+    elif op in (Op.EWMUL, Op.EWADD, Op.AF):  # one all-bank command, no row, no bus burst
+        plan.append(Plan(EW, ALL, -1, ins.k if op is Op.AF else ins.imm, 1, ins.k))
     return plan

@@ -36,7 +36,7 @@ from collections import defaultdict
 from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import ALL_CH, FLAG_POS_COL, FLAG_POS_SLOT, Instr, Op
 from nhil.isa.program import Program
-from nhil.timing.commands import acc_bursts, ACT, ALL, MAC, PRE, RD, RDACC, RDCP, REF, WR, WRACC, WRCP, WRGB, Cmd, unroll_instr
+from nhil.timing.commands import acc_bursts, ACT, ALL, EW, MAC, PRE, RD, RDACC, RDCP, REF, WR, WRACC, WRCP, WRGB, Cmd, unroll_instr
 from nhil.timing.table import TimingTable, timing_for
 
 NEG = -(1 << 40)
@@ -192,11 +192,14 @@ def layer_map(program: Program) -> list[str]:
     out = []
     cur = 0
     started = False
+    read_end = None  # a layer output read back from the device (ew-residual): the layer ends at the next barrier
     for ins in program.instrs:
         if ins.op is Op.HOST:
             h = program.host_ops[ins.imm]
             if h.kernel != "embedding":
                 started = True
+        if read_end is not None and ins.op in (Op.SYNC, Op.HOST):
+            cur, read_end = read_end, None
         label = f"L{cur}" if started else "embed"
         if cur >= nlayers and ends:
             label = "head"
@@ -205,6 +208,8 @@ def layer_map(program: Program) -> list[str]:
             for o in program.host_ops[ins.imm].outputs:
                 if o in ends:
                     cur = ends[o] + 1
+        elif ins.op is Op.RD_ACC and ins.operand < len(program.operands) and program.operands[ins.operand].buffer in ends:
+            read_end = ends[program.operands[ins.operand].buffer] + 1
     return out
 
 
@@ -551,6 +556,10 @@ class TimingEngine:
                 else:
                     s.acc_r[k] = t
                     end = max(end, t + T.nCLREG + T.nBL)
+            elif kind == EW:
+                from nhil.timing.ew import schedule_ew
+
+                end = max(end, schedule_ew(self, s, p, idx, chans))
             else:  # WR, RD, RDCP, WRCP: bank data accesses
                 b = p.bank
                 banks = range(base, base + nb) if b == ALL else (base + b,)

@@ -19,7 +19,7 @@ Figures (``docs/timing-model.md``):
 from __future__ import annotations
 
 from nhil.isa.program import Program
-from nhil.timing.engine import TimingEngine
+from nhil.timing.overlap import HostOverlapEngine, engine_for
 from nhil.timing.table import TimingTable, peak_external_gbs, peak_internal_gbs, timing_for
 
 GPU_HBM_GBS = 3350.0  # H100 SXM HBM3, the default GPU baseline (parameter)
@@ -52,11 +52,14 @@ def controller_for(program: Program) -> bool:
     return ps is not None and "gb-overlap" not in ps
 
 
-def analyze(program: Program, table: TimingTable | None = None, pos: int | None = None, gpu_gbs: float = GPU_HBM_GBS, inorder: bool | None = None) -> dict:
+def analyze(program: Program, table: TimingTable | None = None, pos: int | None = None, gpu_gbs: float = GPU_HBM_GBS, inorder: bool | None = None,
+            overlap: bool | None = None) -> dict:
     """Time one decode step of ``program`` and derive the report (a JSON-able dict).
 
     ``inorder=None`` takes the controller from the program's scheduling passes
-    (:func:`controller_for`); ``table`` defaults to the device preset's.
+    (:func:`controller_for`); ``overlap=None`` times host kernels overlapped with
+    independent device work iff the passes hold ``host-overlap``
+    (:func:`nhil.timing.overlap.overlap_for`); ``table`` defaults to the device preset's.
     """
     d = program.device
     if inorder is None:
@@ -64,7 +67,7 @@ def analyze(program: Program, table: TimingTable | None = None, pos: int | None 
     T = table or timing_for(d)
     if pos is None:
         pos = max(0, int(program.info.get("max_cache_len", 1)) // 2)
-    eng = TimingEngine(d, T, program=program, inorder=inorder)
+    eng = engine_for(program, d, T, inorder=inorder, overlap=overlap)
     st = eng.run_program(pos=pos)
     cyc = st.cycles
     sec = cyc * T.tck_ns * 1e-9
@@ -90,6 +93,7 @@ def analyze(program: Program, table: TimingTable | None = None, pos: int | None 
         "channels": d.channels,
         "timing_table": T.name,
         "controller": "in-order" if inorder else "reordering",
+        "host_overlap": isinstance(eng, HostOverlapEngine),
         "pos": pos,
         "passes": program.info.get("passes"),
         "cycles_per_token": cyc,

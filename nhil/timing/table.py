@@ -46,6 +46,8 @@ class TimingTable:
         nCWLGB: WRGB to a MAC reading that GB column (AiM nCWLGB).
         nCWLREG: WRACC to a MAC on that accumulator (AiM nCWLREG).
         nCLREG: RDACC command to data (AiM nCLREG).
+        nEW: [assumed] an elementwise op on the accumulators (EWMUL / EWADD / AF, one per bank in
+            parallel): command to result, as deep as the MAC pipeline (``nhil.timing.ew``).
         host_latency_ns: [assumed] one device->host->device hand-off (SYNC): readback
             reaches the host, host decides, next command leaves; CENT adds a CXL latency
             of this order per block.
@@ -85,6 +87,7 @@ class TimingTable:
     nCWLGB: int = 1
     nCWLREG: int = 1
     nCLREG: int = 0
+    nEW: int = 8
     host_latency_ns: float = 500.0
     host_gbs: float = 100.0
     host_op_ns: float = 100.0

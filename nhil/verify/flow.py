@@ -87,6 +87,7 @@ def _verify(run: Run) -> None:
     profile, thresholds = _thresholds(run, overrides)
     built: dict = {}
     program = _compile(run, bundle, device, max_len, profile, built)
+    built["ew_silu"] = tuple(program.info.get("ew_silu", ()))  # the reference computes these silu_mul nodes as the device does
     tf, free = _run_on_target(run, program, target, bundle, prompt_ids, golden_tokens)
 
     # ---- tight tier: target == device-numerics reference, bit for bit

@@ -33,7 +33,7 @@ def reference_outputs(run, bundle, built: dict, device, max_len: int, prompt_ids
                 gm, plan = raised.gm, (pipeline.quant_plan(run.o.quant, raised, bundle) if run.o.quant not in ("", "bf16") else None)
             else:
                 gm, plan = c.gm, c.plan
-            qr = QuantReference(gm, plan)
+            qr = QuantReference(gm, plan, ew_silu=built.get("ew_silu", ()))  # silu_mul nodes lowered in-device (ew-swiglu)
             out = run_teacher_forced(qr, prompt_ids, golden_tokens)
             arrays = {"logits": out.logits, **{f"acts/{k}": v for k, v in out.acts.items()}}
             rules = routing_rules(gm)

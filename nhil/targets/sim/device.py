@@ -208,7 +208,22 @@ class PimState:
             return None
         if op in (Op.NOP, Op.SYNC, Op.EOC):
             return None
-        raise self._err(idx, ins, "opcode not implemented by the simulator (reserved in ISA v0)")
+        if op in (Op.EWMUL, Op.EWADD, Op.AF):
+            self._elementwise(ins)
+            return None
+        raise self._err(idx, ins, "opcode not implemented by the simulator")
+
+    # ------------------------------------------------------------ elementwise ops (docs/isa.md "Elementwise ops")
+    def _elementwise(self, ins: Instr) -> None:
+        """EWMUL / EWADD / AF on the accumulators of every bank of the addressed channels (``nhil.numerics.ew``)."""
+        from nhil.numerics.ew import af_apply, ew_add, ew_mul
+
+        cs = self._chans(0, ins)
+        a = self.acc[cs, :, ins.k]
+        if ins.op is Op.AF:
+            self.acc[cs, :, ins.k] = af_apply(a, ins.imm)
+        else:
+            self.acc[cs, :, ins.k] = (ew_mul if ins.op is Op.EWMUL else ew_add)(a, self.acc[cs, :, ins.imm])
 
     def _mac_vectors(self, idx: int, ins: Instr) -> None:
         """MAC_ABV (``docs/isa.md`` "Prefill extension"): bursts ``[col, col+n)`` of row ``row`` of every bank, read

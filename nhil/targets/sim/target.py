@@ -5,15 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
-from nhil.isa.instr import EXTENSION_OPS, OPINFO, Op
+from nhil.isa.instr import EW_OPS, EXTENSION_OPS, OPINFO, Op
 from nhil.isa.program import Program
 from nhil.numerics.formats import DEVICE_FORMATS
 from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
 from nhil.targets.sim.device import PimState
 from nhil.targets.sim.fast import FastPimState
 
-
-SIM_OPS = DEVICE_OPS | EXTENSION_OPS  # ISA v0 and the prefill extension (MAC_ABV, accumulator sets)
+SIM_OPS = DEVICE_OPS | EXTENSION_OPS | EW_OPS  # ISA v0, the prefill extension (MAC_ABV, accumulator sets) and the elementwise ops (docs/isa.md)
 
 
 class SimTarget(Target):

@@ -21,6 +21,7 @@ from nhil.isa.program import Program
 from nhil.targets.base import ResolvedInstr
 from nhil.targets.sim.target import SimTarget
 from nhil.timing.engine import TimingEngine
+from nhil.timing.overlap import engine_for
 from nhil.timing.table import TimingTable, timing_for
 
 
@@ -46,7 +47,7 @@ class TimedSimTarget(SimTarget):
         super().load(program)
         self.program = program
         d = self.state.d
-        self.engine = TimingEngine(d, self._table or timing_for(d), program=program)
+        self.engine = engine_for(program, d, self._table or timing_for(d))  # host/device overlap iff the program's passes hold host-overlap
         self.step_cycles, self.timed_steps, self._last, self._step, self._on = [], [], -1, 0, True
 
     def execute(self, block: list[ResolvedInstr]) -> list:
