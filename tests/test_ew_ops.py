@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nhil.compiler.builder import ProgramBuilder
-from nhil.errors import LoadError, ProgramFormatError, RunError
+from nhil.errors import LoadError, RunError
 from nhil.isa import DEVICE_PRESETS
 from nhil.isa.instr import ALL_CH, Instr, Op
 from nhil.isa.semantics import check_instr
@@ -226,30 +226,15 @@ def test_prefill_of_a_program_with_elementwise_ops_equals_the_per_token_path():
     from nhil.compiler import pipeline
     from nhil.compiler.pipeline import DEFAULT_PASSES
     from nhil.models import get_model
-    from nhil.runtime.executor import Runner
-    from nhil.runtime.generate import prefill_runner
-    from nhil.targets.sim import SimTarget
 
     torch.manual_seed(0)
     prog = pipeline.compile(get_model("llama-tiny", seed=0), "aim-like", "bf16", list(DEFAULT_PASSES) + ["ew-swiglu", "ew-residual", "host-overlap"],
                             max_cache_len=24).program
     assert prog.info["ew_silu"] and prog.info["ew_add"]
     tokens = [5, 17, 3, 99, 42, 7, 1, 64, 23, 8, 2, 77, 31, 50, 6, 19, 11, 4]
-    res = []
-    for use_prefill in (False, True):
-        t = SimTarget()
-        t.open()
-        r = Runner(prog, t)
-        r.reset()
-        if use_prefill:
-            pf, why = prefill_runner(r, len(tokens))
-            assert pf is not None, why
-            outs = [{k: v.copy() for k, v in o.items()} for o in pf.prefill(tokens, 0)]
-        else:
-            outs = [{k: v.copy() for k, v in r.step(tok, i).items()} for i, tok in enumerate(tokens)]
-        nxt = r.step(11, len(tokens))["logits"].copy()
-        st = t.state
-        res.append((outs, nxt, {int(row): st.mem[:, :, st.row_slot[row]].copy() for row in np.flatnonzero(st.row_slot >= 0)}))
+    from prefill_paths import per_token_and_prefill
+
+    res = [r[:3] for r in per_token_and_prefill(prog, tokens)]
     (oa, na, ma), (ob, nb, mb) = res
     for x, y in zip(oa, ob, strict=True):
         for k in x:

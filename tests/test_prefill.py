@@ -24,6 +24,7 @@ from nhil.targets.base import ResolvedInstr
 from nhil.targets.sim import SimTarget
 from nhil.targets.sim.device import PimState
 from nhil.targets.sim.fast import FastPimState
+from prefill_paths import per_token_and_prefill as _per_token_and_prefill
 
 DEV = dataclasses.replace(DEVICE_PRESETS["rtl-tiny2"], name="tiny-v4", vectors=4)  # 2 ch x 16 banks, 128-element rows
 
@@ -48,7 +49,7 @@ def _gb(rng, n):
 def test_mac_abv_equals_mac_ab_with_each_vector_in_the_global_buffer(cls, special):
     """ACC_j after MAC_ABV == ACC after MAC_AB with GB_j's contents in GB, bit for bit, for every set and accumulator."""
     rng = np.random.default_rng(1)
-    L, nb = DEV.lanes, DEV.gb_elems // DEV.lanes
+    nb = DEV.gb_elems // DEV.lanes
     vecs = [_gb(rng, DEV.gb_elems) for _ in range(3)]
     st = _random_state(cls, np.random.default_rng(0), special)
     for j, v in enumerate(vecs):
@@ -100,28 +101,8 @@ def _compile(name, quant="bf16", device="aim-like"):
     return compile(get_model(name, seed=0), device, quant, max_cache_len=24).program
 
 
-def _per_token_and_prefill(prog, tokens, reference=False):
-    """Outputs of every prompt token, the bank state and the next decode step's logits, both ways."""
-    res = []
-    for use_prefill in (False, True):
-        t = SimTarget(reference=reference)
-        t.open()
-        r = Runner(prog, t)
-        r.reset()
-        if use_prefill:
-            pf, why = prefill_runner(r, len(tokens))
-            assert pf is not None, why
-            outs = [{k: v.copy() for k, v in o.items()} for o in pf.prefill(tokens, 0)]
-        else:
-            outs = [{k: v.copy() for k, v in r.step(tok, i).items()} for i, tok in enumerate(tokens)]
-        nxt = r.step(11, len(tokens))["logits"].copy()
-        st = t.state
-        res.append((outs, nxt, {int(row): st.mem[:, :, st.row_slot[row]].copy() for row in np.flatnonzero(st.row_slot >= 0)}, dict(st.counts)))
-    return res
-
-
 def _assert_same(a, b):
-    (oa, na, ma, _), (ob, nb, mb, cb) = a, b
+    (oa, na, ma, _), (ob, nb, mb, _) = a, b
     assert len(oa) == len(ob)
     for t, (x, y) in enumerate(zip(oa, ob)):
         assert x.keys() == y.keys()

@@ -108,17 +108,23 @@ class FastPimState(PimState):
         self.macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
         return True
 
+    def _checked(self, ins):
+        """Channel range ``(c0, c1)`` of ``ins`` once its word passed the device-semantics table (cached per word), else None."""
+        v = self._mac_ok.get(ins)
+        if v is None:
+            if check_instr(ins, self.d):
+                return None
+            v = self._mac_ok[ins] = (0, self.d.channels) if ins.flags & ALL_CH else (ins.ch, ins.ch + 1)
+        return v
+
     def _gb_acc(self, idx, ins, payload):
         """WR_GB / WR_ACC / RD_ACC as ``PimState.step`` does them (readback array or None); False when ``step`` must
         run it (its word not yet checked against the device, or a payload of another size)."""
         d = self.d
-        v = self._mac_ok.get(ins)
+        v = self._checked(ins)
         if v is None:
-            if check_instr(ins, d):
-                return False
-            c0, c1 = (0, d.channels) if ins.flags & ALL_CH else (ins.ch, ins.ch + 1)
-            v = self._mac_ok[ins] = (c0, c1, 0, 0)
-        c0, c1 = v[0], v[1]
+            return False
+        c0, c1 = v
         op = ins.op
         if op is Op.WR_GB:
             n = ins.n * d.lanes
@@ -144,15 +150,10 @@ class FastPimState(PimState):
     def _mac_v(self, ins) -> bool:
         """One MAC_ABV through the kernel; False (nothing done) when it needs ``step`` (bad fields, quantized rows)."""
         d = self.d
-        if (ins.row >= d.rows or ins.k >= d.accumulators or ins.n == 0 or (ins.col + ins.n) * d.lanes > d.cols
-                or not 1 <= ins.imm <= d.vectors or (ins.col + ins.n) * d.lanes > d.gb_elems):
+        v = self._checked(ins)
+        if v is None:
             return False
-        if ins.flags & ALL_CH:
-            c0, c1 = 0, d.channels
-        elif ins.ch < d.channels:
-            c0, c1 = ins.ch, ins.ch + 1
-        else:
-            return False
+        c0, c1 = v
         if self.cfr[c0:c1, CFR_W_FMT].any():
             return False
         self.counts["MAC_ABV"] = self.counts.get("MAC_ABV", 0) + 1
