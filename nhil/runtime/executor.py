@@ -31,12 +31,15 @@ from __future__ import annotations
 import numpy as np
 
 from nhil.errors import RunError
-from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Op
+from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Instr, Op
 from nhil.isa.program import Program
 from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from nhil.numerics.kv_fp8 import bind_v_byte
+from nhil.runtime.bind_runs import KvRun, is_run_member
 from nhil.runtime.host_kernels import KERNELS
 from nhil.targets.base import ResolvedInstr, Target
+
+_INSTR_NEW = tuple.__new__  # builds a bound Instr from its 11 fields in one call (NamedTuple._replace costs three)
 
 
 class Runner:
@@ -99,6 +102,9 @@ class Runner:
         self.steps = 0
         self._loaded = False
         self._static: dict[int, ResolvedInstr] = {}  # instruction index -> its binding, for instructions without position flags or data
+        self._plans: dict[int, tuple] = {}  # instruction index -> how it binds (:meth:`_plan`)
+        self._seg_plans: dict[int, tuple] = {}  # id(segment) -> :meth:`_segment_plan`
+        self._geom = (self.d.slots, self.d.banks, self.d.lanes, self.d.cols)
         pf = program.info.get("prefill") if isinstance(program.info, dict) else None
         self.prefill_tokens = int(pf["tokens"]) if pf else 0  # a prefill program (nhil.compiler.prefill): tokens per run
         self._host_token = list(pf["host_token"]) if pf else None
@@ -131,55 +137,118 @@ class Runner:
             return self.bufs[name]
         return self.images[name]
 
+    def _segment_plan(self, seg: list[int]) -> tuple[list, list]:
+        """``(items, reads)`` of a device segment, built once: ``items`` are instruction indices and, on a target that
+        ``takes_runs``, :class:`KvRun` for each run of two or more KV-append templates; ``reads`` is
+        ``(buffer, offset, count, is RD_SBK)`` per data-out instruction, in order."""
+        items: list = []
+        run: list[int] = []
+        lanes = self.d.lanes
+
+        def flush():
+            if len(run) > 1:
+                items.append(KvRun(self.p, run, self.raw))
+            else:
+                items.extend(run)
+            run.clear()
+
+        takes = bool(getattr(self.t, "takes_runs", False))
+        for i in seg:
+            ins = self.p.instrs[i]
+            if takes and is_run_member(ins) and ins.operand < len(self.p.operands) and self.p.operands[ins.operand].count <= lanes:
+                run.append(i)
+                continue
+            flush()
+            items.append(i)
+        flush()
+        reads = []
+        for i in seg:
+            ins = self.p.instrs[i]
+            if OPINFO[ins.op].data_out:
+                o = self.p.operands[ins.operand]
+                reads.append((o.buffer, o.offset, o.count, ins.op is Op.RD_SBK))
+        return items, reads
+
+    def _bits(self, buf: str, bits: dict) -> np.ndarray:
+        """uint16 bits of host buffer ``buf`` for the current block (cached in ``bits``): bf16 (RNE) of its fp32
+        values, or the words themselves for a raw buffer (fp8 KV rows)."""
+        b = bits.get(buf)
+        if b is None:
+            a = self.bufs[buf]
+            b = bits[buf] = a.astype(np.uint16) if buf in self.raw else f32_to_bf16_bits(a)
+        return b
+
+    def _plan(self, i: int) -> tuple:
+        """How instruction ``i`` binds, derived once per run of the program (:meth:`_resolve` applies it).
+
+        ``(ins, pos_kind, data_kind, buffer, offset, count, payload_elems)``: ``pos_kind`` is a bit set, 1 ``POS_SLOT``,
+        2 ``POS_COL``, 4 ``POS_COL`` as the fp8 Vᵀ byte (WR_SBK ``k = 3``); ``data_kind`` 0 none, 1 fp32 (WR_ACC),
+        2 bf16 bits, 3 raw 16-bit words.
+        """
+        ins = self.p.instrs[i]
+        f = ins.flags
+        fp8 = bool(f & FLAG_POS_COL) and ins.op is Op.WR_SBK and ins.k == 3
+        pk = (1 if f & FLAG_POS_SLOT else 0) + (0 if not f & FLAG_POS_COL else (4 if fp8 else 2))
+        if not OPINFO[ins.op].data_in:
+            return (ins, pk, 0, None, 0, 0, 0)
+        o = self.p.operands[ins.operand]
+        if ins.op is Op.WR_ACC:
+            return (ins, pk, 1, o.buffer, o.offset, o.count, o.count)
+        n = self.d.lanes if ins.op is Op.WR_SBK else ins.n * self.d.lanes
+        return (ins, pk, 3 if o.buffer in self.raw else 2, o.buffer, o.offset, o.count, n)
+
     def _resolve(self, i: int, pos: int, bits: dict | None = None) -> ResolvedInstr:
         """Bind instruction ``i`` for position ``pos`` (docs/isa.md "Position-relative instructions").
 
         ``bits``: per-block cache of ``buffer name -> bf16 bits of the whole buffer``; within a
         device block the host buffers do not change (readbacks land after the block), so each
         buffer is rounded once per block instead of once per instruction (same bits: RNE is
-        elementwise). Instructions with neither position flags nor data are bound once per run.
+        elementwise). Instructions with neither position flags nor data are bound once per run;
+        the rest follow their :meth:`_plan`, built once. A payload that covers its whole burst
+        range is a read-only view of the block's bits (targets copy what they keep).
         """
         r = self._static.get(i)
         if r is not None:
             return r
-        ins = self.p.instrs[i]
-        d = self.d
-        payload = None
+        pl = self._plans.get(i)
+        if pl is None:
+            pl = self._plans[i] = self._plan(i)
+        ins, pk, dk, buf, off, cnt, n = pl
         lane = None
-        if ins.tok:  # a prefill template: token tok of the prompt binds at pos + tok
-            pos += ins.tok
-            ins = ins._replace(tok=0)
-        if ins.flags & FLAG_POS_SLOT:
-            slot = pos % d.slots
-            ins = ins._replace(flags=ins.flags & ~FLAG_POS_SLOT, ch=slot // d.banks, bank=slot % d.banks, row=ins.row + pos // d.slots)
-        if ins.flags & FLAG_POS_COL and ins.op is Op.WR_SBK and ins.k == 3:  # fp8 Vᵀ append: one byte (nhil.numerics.kv_fp8)
-            drow, col, lane, half = bind_v_byte(pos, d.cols, d.lanes)
-            ins = ins._replace(flags=ins.flags & ~FLAG_POS_COL, row=ins.row + drow, col=col, imm=1 << lane, k=half)
-        elif ins.flags & FLAG_POS_COL:
-            lane = pos % d.lanes
-            ins = ins._replace(flags=ins.flags & ~FLAG_POS_COL, row=ins.row + pos // d.cols, col=(pos % d.cols) // d.lanes, imm=1 << lane)
-        info = OPINFO[ins.op]
-        if info.data_in:
-            o = self.p.operands[ins.operand]
-            if ins.op is Op.WR_ACC:
-                payload = np.ascontiguousarray(self.bufs[o.buffer][o.offset : o.offset + o.count], dtype=np.float32)
-            else:
-                if bits is None:
-                    bits = {}
-                b = bits.get(o.buffer)
-                if b is None:  # raw buffers hold 16-bit words as exact fp32 integers (fp8 KV rows), others bf16 values
-                    buf = self.bufs[o.buffer]
-                    b = bits[o.buffer] = buf.astype(np.uint16) if o.buffer in self.raw else f32_to_bf16_bits(buf)
-                n = d.lanes if ins.op is Op.WR_SBK else ins.n * d.lanes
-                payload = np.zeros(n, np.uint16)
-                if lane is not None:
-                    payload[lane] = b[o.offset]
-                else:
-                    payload[: o.count] = b[o.offset : o.offset + o.count]
-        r = ResolvedInstr(i, ins, payload)
-        if not info.data_in and not ins.flags & (FLAG_POS_SLOT | FLAG_POS_COL) and r.instr is self.p.instrs[i]:
-            self._static[i] = r
-        return r
+        if pk:
+            slots, banks, lanes, cols = self._geom
+            op, flags, ch, bank, row, col, nb, operand, k, imm, tok = ins
+            t = pos + tok  # a prefill template: token tok of the prompt binds at pos + tok
+            if pk & 1:  # POS_SLOT
+                slot = t % slots
+                flags &= ~FLAG_POS_SLOT
+                ch, bank, row = slot // banks, slot % banks, row + t // slots
+            if pk & 2:  # POS_COL: one element of a position-major row
+                lane = t % lanes
+                flags &= ~FLAG_POS_COL
+                row, col, imm = row + t // cols, (t % cols) // lanes, 1 << lane
+            elif pk & 4:  # fp8 Vᵀ append: one byte (nhil.numerics.kv_fp8)
+                drow, col, lane, k = bind_v_byte(t, cols, lanes)
+                flags &= ~FLAG_POS_COL
+                row, imm = row + drow, 1 << lane
+            ins = _INSTR_NEW(Instr, (op, flags, ch, bank, row, col, nb, operand, k, imm, 0))
+        elif dk == 0:
+            r = self._static[i] = ResolvedInstr(i, ins, None)
+            return r
+        if dk == 0:
+            return ResolvedInstr(i, ins, None)
+        if dk == 1:
+            return ResolvedInstr(i, ins, np.ascontiguousarray(self.bufs[buf][off : off + cnt], dtype=np.float32))
+        b = self._bits(buf, {} if bits is None else bits)
+        if lane is not None:
+            payload = np.zeros(n, np.uint16)
+            payload[lane] = b[off]
+        elif cnt == n:
+            payload = b[off : off + cnt]
+        else:
+            payload = np.zeros(n, np.uint16)
+            payload[:cnt] = b[off : off + cnt]
+        return ResolvedInstr(i, ins, payload)
 
     def step(self, token: int, pos: int) -> dict[str, np.ndarray]:
         """Run the program once for ``token`` at cache position ``pos``.
@@ -243,14 +312,17 @@ class Runner:
                     # sizes the load-time checks cannot know (buffer lengths vs attributes): a run failure, not a crash
                     raise RunError(f"host op {seg} ({h.kernel}) failed on its buffers {list(h.inputs)} -> {list(h.outputs)}: {type(e).__name__}: {e}") from None
             else:
+                plan = self._seg_plans.get(id(seg))
+                if plan is None:
+                    plan = self._seg_plans[id(seg)] = self._segment_plan(seg)
+                items, reads = plan
                 bits: dict = {}
-                block = [self._resolve(i, pos, bits) for i in seg]
+                bits_of = lambda b: self._bits(b, bits)  # noqa: E731
+                block = [self._resolve(it, pos, bits) if it.__class__ is int else it.bind(pos, bits_of) for it in items]
                 rbs = self.t.execute(block)
-                it = iter(rbs)
-                for r in block:
-                    if OPINFO[r.instr.op].data_out:
-                        o = self.p.operands[r.instr.operand]
-                        data = next(it)
-                        if r.instr.op is Op.RD_SBK:  # bank words are bf16 bits: decode them (docs/isa.md RD_SBK)
-                            data = bf16_bits_to_f32(np.asarray(data, dtype=np.uint16))
-                        self.bufs[o.buffer][o.offset : o.offset + o.count] = data[: o.count]
+                if len(rbs) != len(reads):
+                    raise RunError(f"target {self.t.name} returned {len(rbs)} readbacks for a block with {len(reads)} read instructions")
+                for (buf, off, cnt, sbk), data in zip(reads, rbs):
+                    if sbk:  # bank words are bf16 bits: decode them (docs/isa.md RD_SBK)
+                        data = bf16_bits_to_f32(np.asarray(data, dtype=np.uint16))
+                    self.bufs[buf][off : off + cnt] = data[:cnt]

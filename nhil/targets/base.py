@@ -12,6 +12,10 @@ the host runtime and each data-carrying instruction comes with its payload
 (``WR_GB``/``WR_SBK``/``WR_ABK``: uint16 bf16 bits; ``WR_ACC``: float32). ``execute``
 returns, in order, one array per data-out instruction (``RD_ACC``: float32 [n];
 ``RD_SBK``: uint16 [n*lanes]).
+
+A target whose ``takes_runs`` is True also accepts :class:`ResolvedRun` items in a block: a run of
+bound ``WR_SBK`` (KV-cache appends) as arrays, which it must execute exactly as the
+``ResolvedInstr`` list :meth:`ResolvedRun.instrs` gives.
 """
 
 from __future__ import annotations
@@ -35,6 +39,26 @@ class ResolvedInstr(NamedTuple):
     index: int
     instr: Instr
     payload: np.ndarray | None = None
+
+
+class ResolvedRun(NamedTuple):
+    """Consecutive bound ``WR_SBK`` instructions (KV-cache appends) as arrays, for targets with ``takes_runs``.
+
+    Attributes:
+        index: int64 ``[m]`` instruction indices, in program order.
+        fields: int64 ``[m, 11]`` the bound instructions' fields in ``Instr`` order (op is ``WR_SBK``, no
+            position flags, ``tok`` 0).
+        payload: uint16 ``[m, lanes]`` bf16 bits (or raw words) per instruction, as ``ResolvedInstr.payload``.
+    """
+
+    index: np.ndarray
+    fields: np.ndarray
+    payload: np.ndarray
+
+    def instrs(self) -> list[ResolvedInstr]:
+        """The same run as one :class:`ResolvedInstr` per instruction (what a target without runs receives)."""
+        return [ResolvedInstr(int(i), Instr(Op(int(f[0])), *(int(x) for x in f[1:])), p.copy())
+                for i, f, p in zip(self.index, self.fields, self.payload)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +112,7 @@ class Target(abc.ABC):
     """Abstract execution target. Subclasses implement the abstract methods; see the module docstring."""
 
     name: str = "?"
+    takes_runs: bool = False  # execute() accepts ResolvedRun items (see the module docstring)
 
     def __enter__(self) -> "Target":
         self.open()

@@ -12,7 +12,8 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
 * **MAC_ABV** (prefill extension, bf16 rows) runs in ``kernels.mac_bf16_vec``: each weight burst read once for
   every vector.
 * **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
-  distinct locations become one scatter into the bank state.
+  distinct locations become one scatter into the bank state, whether they arrive as
+  ``ResolvedInstr`` or as one ``ResolvedRun`` (bound as arrays by ``nhil.runtime.bind_runs``).
 * **WR_GB, WR_ACC, RD_ACC** are executed here without the per-instruction bounds table once their
   word has passed it (cached), with ``PimState.step``'s semantics (set selection, bf16 readback).
 * Everything else (and quantized MACs, whose decoded rows ``PimState`` already caches per
@@ -26,6 +27,7 @@ import numpy as np
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Op
 from nhil.isa.semantics import check_instr
 from nhil.numerics.bf16 import round_to_bf16
+from nhil.targets.base import ResolvedRun
 from nhil.targets.sim import kernels
 from nhil.targets.sim.device import PimState
 
@@ -47,7 +49,12 @@ class FastPimState(PimState):
         n = len(block)
         i = 0
         while i < n:
-            idx, ins, payload = block[i]
+            item = block[i]
+            if item.__class__ is ResolvedRun:
+                self._run_of_appends(item)
+                i += 1
+                continue
+            idx, ins, payload = item
             op = ins.op
             if (op is Op.MAC_AB or op is Op.MAC_SB) and kernels.AVAILABLE and self._mac(ins):
                 i += 1
@@ -162,34 +169,43 @@ class FastPimState(PimState):
         return True
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:
-        """WR_SBK ``block[i:j]`` as one scatter; False (nothing done) unless every one is single-channel, in bounds,
-        with a valid payload, and no two write the same element (then ``step`` runs them one by one)."""
+        """WR_SBK ``block[i:j]`` (ResolvedInstr) as one scatter (:meth:`_scatter_sbk`); False when it cannot be."""
+        run = block[i:j]
+        pays = [r[2] for r in run]
+        if any(p is None or p.size != self.d.lanes or p.dtype != np.uint16 for p in pays):
+            return False
+        f = np.array([tuple(r[1])[1:] for r in run], dtype=np.int64)  # [m, 10]: Instr fields after op
+        return self._scatter_sbk(f, np.stack(pays).reshape(len(run), -1))
+
+    def _scatter_sbk(self, f: np.ndarray, pay: np.ndarray) -> bool:
+        """WR_SBK of every row of ``f`` (int64 ``[m, 10]``, Instr fields after op) with ``pay`` (uint16 ``[m, lanes]``)
+        as one scatter into the bank state; False (nothing done) unless every one is single-channel, in bounds, without
+        position flags, and no two write the same element (then ``step`` runs them one by one for the named error)."""
         d = self.d
         L = d.lanes
-        m = j - i
-        ch = np.empty(m, np.int64)
-        bank = np.empty(m, np.int64)
-        row = np.empty(m, np.int64)
-        col = np.empty(m, np.int64)
-        imm = np.empty(m, np.int64)
-        pay = np.empty((m, L), np.uint16)
-        for t in range(m):
-            _, ins, p = block[i + t]
-            if (ins.flags & ALL_CH or ins.k or ins.ch >= d.channels or ins.bank >= d.banks or ins.row >= d.rows or (ins.col + 1) * L > d.cols
-                    or p is None or p.size != L or p.dtype != np.uint16):
-                return False
-            ch[t], bank[t], row[t], col[t], imm[t] = ins.ch, ins.bank, ins.row, ins.col, ins.imm
-            pay[t] = p
+        flags, ch, bank, row, col, k, imm = f[:, 0], f[:, 1], f[:, 2], f[:, 3], f[:, 4], f[:, 7], f[:, 8]
+        if ((flags != 0).any() or k.any() or (ch >= d.channels).any() or (bank >= d.banks).any() or (row >= d.rows).any()
+                or ((col + 1) * L > d.cols).any() or (f[:, 9] != 0).any() or pay.shape != (f.shape[0], L) or pay.dtype != np.uint16):
+            return False
         mask = ((imm[:, None] >> np.arange(L)) & 1).astype(bool)  # [m, L]
         tt, lane = np.nonzero(mask)
         key = ((ch[tt] * d.banks + bank[tt]) * d.rows + row[tt]) * d.cols + col[tt] * L + lane
         if np.unique(key).size != key.size:
             return False
-        slots = np.empty(m, np.int64)
-        for t in range(m):  # allocate in instruction order, as step would
-            slots[t] = self.slot(int(row[t]), allocate=True)
-        for s in np.unique(slots):
+        rows, first, inv = np.unique(row, return_index=True, return_inverse=True)
+        row_slots = np.empty(rows.size, np.int64)
+        for u in np.argsort(first, kind="stable"):  # allocate in instruction order, as step would
+            row_slots[u] = self.slot(int(rows[u]), allocate=True)
+        for s in row_slots:
             self.drop_decoded(int(s))
+        slots = row_slots[inv.reshape(-1)]
         self.mem[ch[tt], bank[tt], slots[tt], col[tt] * L + lane] = pay[tt, lane]
-        self.counts["WR_SBK"] = self.counts.get("WR_SBK", 0) + m
+        self.counts["WR_SBK"] = self.counts.get("WR_SBK", 0) + int(f.shape[0])
         return True
+
+    def _run_of_appends(self, run: ResolvedRun) -> list:
+        """A :class:`ResolvedRun` of KV appends: one scatter, or (a run the scatter refuses) ``step`` per instruction."""
+        if not self._scatter_sbk(run.fields[:, 1:], run.payload):
+            for idx, ins, payload in run.instrs():
+                self.step(idx, ins, payload)
+        return []

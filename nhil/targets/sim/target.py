@@ -34,6 +34,11 @@ class SimTarget(Target):
         self.state: PimState | None = None
         self._digest = ReadbackDigest()
 
+    @property
+    def takes_runs(self) -> bool:
+        """The fast path takes KV-append runs as arrays (``nhil.targets.base.ResolvedRun``); the reference path does not."""
+        return not self.reference
+
     def capabilities(self) -> Capabilities:
         return Capabilities(0, SIM_OPS, DEVICE_FORMATS, self._fixed or (self.state.d if self.state else DEVICE_PRESETS["aim-like"]))
 

@@ -29,6 +29,7 @@ class TimedSimTarget(SimTarget):
     """``SimTarget`` with the timing model switched on (see the module docstring)."""
 
     name = "sim"
+    takes_runs = False  # the timing engine reads one ResolvedInstr per instruction
 
     def __init__(self, device=None, table: TimingTable | None = None, every: int = 8, **kw) -> None:
         super().__init__(device, **kw)
