@@ -12,7 +12,7 @@ tokens/s per decode step, GEMV bandwidth achieved / timing-bound best / device p
 rooflines (PIM peak, external-bandwidth-bound, GPU-HBM-bound with ``--gpu-gbs``) and
 the speed-ups, each before/after the program-stage scheduling passes, for a reordering
 controller and an in-order sequencer; plus the simulator's time with the timing model on
-vs off; the host share of SmolLM2's step before/after the opt-in host passes
+vs off; ``verify`` of SmolLM2 cold vs warm with the warm run's stages (``nhil.verify.bench``); the host share of SmolLM2's step before/after the opt-in host passes
 (``nhil.timing.host_share``: host-overlap, ew-swiglu, ew-residual). The pass ablation
 (``nhil.timing.ablation``: naive baseline, each pass added, each removed; `llama` as the shape-only ``smollm2-135m`` config and ``llama3-8b``) and the
 device-parameter study print as a second table.
@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from nhil.targets.sim.bench import prefill_rows, reference_speed, sim_rows
+from nhil.verify.bench import verify_rows
+from nhil.bench_matrix import bench_matrix, matrix_table_rows
 from nhil.timing.batch import batch_rich_table, bench_batch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -98,7 +100,7 @@ def _fpga_rows(r: dict) -> list:
 
 from nhil.targets.rtl.bench import format_rows_provider  # noqa: E402  (RTL rows per weight-format family)
 
-ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider, sim_rows, prefill_rows]
+ROW_PROVIDERS += [_rtl_rows, _fpga_rows, format_rows_provider, sim_rows, prefill_rows, verify_rows]
 SHAPE_CONFIGS = ["llama3-8b", "mixtral-8x7b", "qwen3-30b-a3b", "mamba2-1.3b"]  # mamba2: nhil.compiler.shape_recurrent
 
 
@@ -227,75 +229,6 @@ def _perf_table_rows(t, r) -> None:
     t.add_row("", "baseline: GPU HBM-bound", f"{rf['gpu_bound_tokens_per_s']:,.1f} tok/s", f"{rf['speedup_vs_gpu']:.2f}", f"x PIM speed-up ({rf['gpu_hbm_gbs']:,.0f} GB/s HBM)")
 
 
-def bench_matrix(workers: tuple[int, ...] = (1, 2), rows: str = "default", sweep_root: Path | None = None, python: str = sys.executable) -> dict:
-    """Wall time of the nightly matrix (``tests/test_matrix.py``, as ``make nightly`` runs it)
-    with each worker count of ``workers`` (pytest-xdist ``-n``), one after another.
-
-    Args:
-        workers: xdist worker counts to time, in order.
-        rows: ``NHIL_MATRIX_ROWS`` (``default``: the non-nightly rows of expectations.yaml,
-            the representative subset; ``all`` is the full nightly, 30+ min per count).
-        sweep_root: ``NHIL_SWEEP_ROOT`` for the runs' aggregated reports (default
-            ``runs/sweeps``; ``latest`` then points at the last run).
-        python: interpreter with pytest and pytest-xdist.
-
-    Returns:
-        ``{"rows": rows, "runs": [{"workers", "wall_s" (first row start to last row end, from
-        the run's summary.json), "process_s" (the whole pytest process, start-up and
-        collection included), "rows_done", "outcomes", "dir", "returncode", "loadavg_1m_before",
-        "loadavg_1m_after", "cpus" (a shared machine's load skews both)}], "speedup"
-        (wall_s of the first count / wall_s of the last)}``. Caches count: goldens and RTL
-        builds made by an earlier run are reused, so time after one warm-up sweep
-        (``nhil sweep``) for a fair comparison.
-
-    Raises:
-        SetupError: pytest-xdist missing, or a run wrote no aggregated report.
-    """
-    import subprocess
-
-    from nhil.errors import SetupError
-
-    try:
-        import xdist  # noqa: F401
-    except ImportError:
-        raise SetupError("bench --matrix needs pytest-xdist: pip install -e '.[test]'") from None
-    root = Path(sweep_root or os.environ.get("NHIL_SWEEP_ROOT", "runs/sweeps"))
-    test = Path(__file__).resolve().parent.parent / "tests" / "test_matrix.py"
-    out: dict = {"rows": rows, "runs": []}
-    for w in workers:
-        print(f"[bench] nightly matrix ({rows} rows) with {w} worker(s) ...", file=sys.stderr, flush=True)
-        env = dict(os.environ, NHIL_MATRIX_ROWS=rows, NHIL_SWEEP_ROOT=str(root))
-        cmd = [python, "-m", "pytest", "-n", str(w), "-q", "-m", "nightly", "-o", "addopts=", "-p", "no:cacheprovider", str(test)]
-        before = (root / "latest").resolve() if (root / "latest").exists() else None
-        load0 = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        process_s = time.perf_counter() - t0
-        latest = (root / "latest").resolve() if (root / "latest").exists() else None
-        if latest is None or latest == before or not (latest / "summary.json").exists():
-            raise SetupError(f"nightly matrix with {w} worker(s) wrote no aggregated report under {root}: {(proc.stdout + proc.stderr)[-800:]}")
-        summ = json.loads((latest / "summary.json").read_text())
-        out["runs"].append({"workers": w, "wall_s": summ.get("wall_s"), "process_s": round(process_s, 2), "rows_done": summ.get("rows_done"),
-                            "rows_total": summ.get("rows_total"), "outcomes": summ.get("outcomes"), "dir": str(latest), "returncode": proc.returncode,
-                            "loadavg_1m_before": round(load0, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()})
-    if len(out["runs"]) >= 2 and out["runs"][-1]["wall_s"]:
-        out["speedup"] = out["runs"][0]["wall_s"] / out["runs"][-1]["wall_s"]
-    return out
-
-
-def _matrix_table_rows(t, m: dict) -> None:
-    base = m["runs"][0]
-    for r in m["runs"]:
-        ratio = f"{r['wall_s'] / base['wall_s']:.2f}" if base.get("wall_s") else ""
-        outs = ", ".join(f"{k} {v}" for k, v in (r.get("outcomes") or {}).items())
-        name, proc = ("ray sweep", "driver process") if m.get("engine") == "ray" else ("nightly matrix", "pytest process")
-        t.add_row("", f"{name} ({m['rows']} rows), {r['workers']} worker(s)", f"{r['wall_s']:.1f} s", ratio,
-                  f"x {base['workers']} worker(s); {r['rows_done']}/{r['rows_total']} rows ({outs}); {proc} {r['process_s']:.1f} s; "
-                  f"load {r['loadavg_1m_before']:.1f} on {r['cpus']} CPUs")
-    if "speedup" in m:
-        t.add_row("", ("ray sweep" if m.get("engine") == "ray" else "nightly matrix") + " speed-up", f"{m['speedup']:.2f}", "", f"{m['runs'][0]['workers']} vs {m['runs'][-1]['workers']} workers (wall time ratio)")
-
-
 def _ablation_table(ab: list[dict], study: dict | None):
     """The pass-ablation table (baseline, passes added cumulatively, each removed) and the device-parameter study."""
     from rich.table import Table
@@ -391,14 +324,14 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
         if engine in ("xdist", "both"):
             m = bench_matrix(**matrix)
             t.add_row("nightly-matrix", "", "", "", "")
-            _matrix_table_rows(t, m)
+            matrix_table_rows(t, m)
             rows.append({"model": "nightly-matrix", "matrix": m})
         if engine in ("ray", "both"):
             from nhil.cluster.bench import ray_matrix_bench
 
             rm = ray_matrix_bench(matrix.get("workers", (1, 2)), matrix.get("rows", "default"), matrix.get("sweep_root"))
             t.add_row("ray-matrix", "", "", "", "")
-            _matrix_table_rows(t, rm)
+            matrix_table_rows(t, rm)
             rows.append({"model": "ray-matrix", "matrix": rm})
     Console(width=160).print(t)
     if ab or study:

@@ -1,5 +1,5 @@
 """Bench row: the manifest's rows as a Ray sweep with 1 and with 2 workers (``nhil bench
---matrix --matrix-engine ray``), beside the pytest-xdist matrix of :func:`nhil.bench.bench_matrix`.
+--matrix --matrix-engine ray``), beside the pytest-xdist matrix of :func:`nhil.bench_matrix.bench_matrix`.
 
 Each count starts its own local Ray instance (``--ray auto`` with ``num_cpus`` = workers,
 so at most that many rows run at once) and stops it; the wall time is the sweep folder's
@@ -18,7 +18,7 @@ def ray_matrix_bench(workers: tuple[int, ...] = (1, 2), rows: str = "default", s
     """Wall time of the selected manifest rows as a Ray sweep per worker count.
 
     Returns:
-        the layout of :func:`nhil.bench.bench_matrix` (``rows``, ``runs`` with ``workers``,
+        the layout of :func:`nhil.bench_matrix.bench_matrix` (``rows``, ``runs`` with ``workers``,
         ``wall_s``, ``process_s``, ``rows_done``, ``rows_total``, ``outcomes``, ``dir``,
         load averages, ``cpus``; ``speedup`` = wall_s of the first count / of the last)
         plus ``"engine": "ray"``.
