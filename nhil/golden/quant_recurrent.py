@@ -51,7 +51,7 @@ class RecurrentStates:
 
     def call(self, op: str, args, kwargs):
         """Run recurrent primitive ``op`` with the device's numerics (module docstring); states updated in place."""
-        from nhil.golden.quant_reference import round_bf16
+        from nhil.golden.quant_mac import round_bf16
 
         if op == "causal_conv1d_update":
             from nhil.compiler.primitives_recurrent import causal_conv1d_update_ref
@@ -67,7 +67,7 @@ class RecurrentStates:
     @staticmethod
     def _ssm(x, dt, A_log, B, C, D, dt_bias, state, num_heads, head_dim, n_groups, state_size, decay="scalar_per_head"):
         from nhil.compiler.primitives_recurrent import ssm_c_rows, ssm_discretize
-        from nhil.golden.quant_reference import bf16_mac_rows, round_bf16
+        from nhil.golden.quant_mac import bf16_mac_rows, round_bf16
 
         H, hd, G, N = int(num_heads), int(head_dim), int(n_groups), int(state_size)
         hs, dA, dBx, Dh = ssm_discretize(x, dt, A_log, B, D, dt_bias, H, hd, G, N)
@@ -81,7 +81,7 @@ class RecurrentStates:
     @staticmethod
     def _gdr(q, k, v, a, b, A_log, dt_bias, state, num_k_heads, num_v_heads, head_k_dim, head_v_dim, beta_scale=1.0, qk_l2norm=True):
         from nhil.compiler.primitives_recurrent import delta_host_prep, delta_host_update
-        from nhil.golden.quant_reference import bf16_mac_rows, round_bf16
+        from nhil.golden.quant_mac import bf16_mac_rows, round_bf16
 
         hk, hv, dk, dv = int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim)
         qh, kh, decay, beta = delta_host_prep(q, k, a, b, A_log, dt_bias, hk, dk, float(beta_scale), bool(qk_l2norm))
