@@ -36,27 +36,40 @@ class KvRun:
     Args:
         program: the Program; index: instruction indices (all :func:`is_run_member`).
         raw: names of raw-word buffers (``program.info["raw_buffers"]``).
+        sizes: element count of every host buffer (``program.buffers``).
     """
 
-    def __init__(self, program, index: list[int], raw: frozenset) -> None:
+    def __init__(self, program, index: list[int], raw: frozenset, sizes: dict[str, int]) -> None:
         d = program.device
+        L = d.lanes
         self.index = np.asarray(index, np.int64)
         ins = [program.instrs[i] for i in index]
-        self.fields = np.array([(int(x.op), x.flags, x.ch, x.bank, x.row, x.col, x.n, x.operand, x.k, x.imm, x.tok) for x in ins], np.int64)
-        f = self.fields[:, _FLAGS]
-        self.slot = (f & FLAG_POS_SLOT) != 0
+        fields = np.array([(int(x.op), x.flags, x.ch, x.bank, x.row, x.col, x.n, x.operand, x.k, x.imm, x.tok) for x in ins], np.int64)
+        self.fields = fields
+        f = fields[:, _FLAGS]
+        slot = (f & FLAG_POS_SLOT) != 0
         col = (f & FLAG_POS_COL) != 0
-        self.fp8 = col & (self.fields[:, _K] == 3)  # fp8 Vᵀ byte (nhil.numerics.kv_fp8)
-        self.col = col & ~self.fp8
+        fp8 = col & (fields[:, _K] == 3)  # fp8 Vᵀ byte (nhil.numerics.kv_fp8)
+        self.si, self.ci, self.vi = np.flatnonzero(slot), np.flatnonzero(col & ~fp8), np.flatnonzero(fp8)
+        self.li = np.flatnonzero(col)  # one element to one lane
+        self.bi = np.flatnonzero(~col)  # POS_SLOT only: the operand's elements from lane 0, zero-padded to the burst
+        self.tok = fields[:, _TOK].copy()
+        self.base = fields.copy()  # bound fields before the position: flags cleared, tok 0
+        self.base[:, _FLAGS] &= ~(FLAG_POS_SLOT | FLAG_POS_COL)
+        self.base[:, _TOK] = 0
         ops = [program.operands[x.operand] for x in ins]
         self.buffers = list(dict.fromkeys(o.buffer for o in ops))
-        self.raw = [b in raw for b in self.buffers]
-        where = {b: j for j, b in enumerate(self.buffers)}
-        self.buf = np.array([where[o.buffer] for o in ops], np.int64)
-        self.off = np.array([o.offset for o in ops], np.int64)
-        self.cnt = np.array([o.count for o in ops], np.int64)
-        self.lanes, self.cols, self.banks, self.slots = d.lanes, d.cols, d.banks, d.slots
-        self._vp = v_positions_per_row(d.cols, d.lanes)
+        start = dict(zip(self.buffers, np.cumsum([0] + [sizes[b] for b in self.buffers[:-1]]).tolist()))
+        src = np.array([start[o.buffer] + o.offset for o in ops], np.int64)  # into the buffers' bits, concatenated
+        cnt = np.array([o.count for o in ops], np.int64)
+        self.lane_src = src[self.li]
+        k = np.arange(L)
+        take = k[None, :] < cnt[self.bi, None]
+        self.burst_take = take
+        self.burst_src = np.where(take, src[self.bi, None] + k[None, :], 0)
+        self.lanes, self.cols, self.banks, self.slots = L, d.cols, d.banks, d.slots
+        self._vp = v_positions_per_row(d.cols, L)
+        self._lane = np.zeros(len(index), np.int64)  # scratch: lane of each one-element append
 
     def __len__(self) -> int:
         return int(self.index.size)
@@ -71,23 +84,24 @@ class KvRun:
             the bound run (fields without position flags, ``tok`` 0; payload uint16 ``[m, lanes]``).
         """
         L = self.lanes
-        f = self.fields.copy()
-        t = pos + f[:, _TOK]
-        s = self.slot
-        if s.any():  # POS_SLOT: slot = t % S -> (ch, bank), row += t // S
-            sl = t[s] % self.slots
+        f = self.base.copy()
+        t = pos + self.tok
+        s = self.si
+        if s.size:  # POS_SLOT: slot = t % S -> (ch, bank), row += t // S
+            ts = t[s]
+            sl = ts % self.slots
             f[s, _CH] = sl // self.banks
             f[s, _BANK] = sl % self.banks
-            f[s, _ROW] += t[s] // self.slots
-        lane = np.full(t.size, -1, np.int64)
-        c = self.col
-        if c.any():  # POS_COL: one element of a position-major row
+            f[s, _ROW] += ts // self.slots
+        lane = self._lane
+        c = self.ci
+        if c.size:  # POS_COL: one element of a position-major row
             tc = t[c]
             lane[c] = tc % L
             f[c, _ROW] += tc // self.cols
             f[c, _COL] = (tc % self.cols) // L
-        v = self.fp8
-        if v.any():  # fp8 Vᵀ append: byte j = 4 + t % P of row t // P (nhil.numerics.kv_fp8.bind_v_byte)
+        v = self.vi
+        if v.size:  # fp8 Vᵀ append: byte j = 4 + t % P of row t // P (nhil.numerics.kv_fp8.bind_v_byte)
             tv = t[v]
             j = V_HEADER + tv % self._vp
             word = j // 2
@@ -95,21 +109,15 @@ class KvRun:
             f[v, _COL] = word // L
             lane[v] = word % L
             f[v, _K] = 1 + j % 2
-        one = lane >= 0
-        f[one, _IMM] = np.left_shift(1, lane[one])
-        f[:, _FLAGS] &= ~(FLAG_POS_SLOT | FLAG_POS_COL)
-        f[:, _TOK] = 0
         parts = [bits_of(b) for b in self.buffers]
-        base = np.cumsum([0] + [p.size for p in parts[:-1]])
         allbits = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        src = base[self.buf] + self.off
         payload = np.zeros((t.size, L), np.uint16)
-        r = np.flatnonzero(one)
-        payload[r, lane[r]] = allbits[src[r]]
-        burst = np.flatnonzero(~one)
-        if burst.size:  # POS_SLOT only: the operand's elements from lane 0, zero-padded to the burst
-            k = np.arange(L)
-            take = k[None, :] < self.cnt[burst, None]
-            idx = np.where(take, src[burst, None] + k[None, :], 0)
-            payload[burst] = np.where(take, allbits[idx], 0)
+        li = self.li
+        if li.size:
+            ln = lane[li]
+            f[li, _IMM] = np.left_shift(1, ln)
+            payload[li, ln] = allbits[self.lane_src]
+        if self.bi.size:
+            payload[self.bi] = np.where(self.burst_take, allbits[self.burst_src], 0)
         return ResolvedRun(self.index, f, payload)
+

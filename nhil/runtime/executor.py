@@ -105,6 +105,7 @@ class Runner:
         self._plans: dict[int, tuple] = {}  # instruction index -> how it binds (:meth:`_plan`)
         self._seg_plans: dict[int, tuple] = {}  # id(segment) -> :meth:`_segment_plan`
         self._geom = (self.d.slots, self.d.banks, self.d.lanes, self.d.cols)
+        self._sizes = {n: int(c) for n, c in program.buffers.items()}
         pf = program.info.get("prefill") if isinstance(program.info, dict) else None
         self.prefill_tokens = int(pf["tokens"]) if pf else 0  # a prefill program (nhil.compiler.prefill): tokens per run
         self._host_token = list(pf["host_token"]) if pf else None
@@ -147,7 +148,7 @@ class Runner:
 
         def flush():
             if len(run) > 1:
-                items.append(KvRun(self.p, run, self.raw))
+                items.append(KvRun(self.p, run, self.raw, self._sizes))
             else:
                 items.extend(run)
             run.clear()
