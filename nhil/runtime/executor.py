@@ -37,6 +37,7 @@ from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from nhil.numerics.kv_fp8 import bind_v_byte
 from nhil.runtime.bind_runs import KvRun, is_run_member
 from nhil.runtime.host_kernels import KERNELS
+from nhil.runtime.host_threads import one_thread, serial_ok
 from nhil.targets.base import ResolvedInstr, Target
 
 _INSTR_NEW = tuple.__new__  # builds a bound Instr from its 11 fields in one call (NamedTuple._replace costs three)
@@ -104,6 +105,7 @@ class Runner:
         self._static: dict[int, ResolvedInstr] = {}  # instruction index -> its binding, for instructions without position flags or data
         self._plans: dict[int, tuple] = {}  # instruction index -> how it binds (:meth:`_plan`)
         self._seg_plans: dict[int, tuple] = {}  # id(segment) -> :meth:`_segment_plan`
+        self._serial: dict[int, bool] = {}  # host op -> runs on one torch thread (nhil.runtime.host_threads)
         self._geom = (self.d.slots, self.d.banks, self.d.lanes, self.d.cols)
         self._sizes = {n: int(c) for n, c in program.buffers.items()}
         pf = program.info.get("prefill") if isinstance(program.info, dict) else None
@@ -307,8 +309,15 @@ class Runner:
                         self._run(self.expert_segments[h.attrs["experts"][e]], ctx, pos)
                 ins = [self._val(n, ctx) for n in h.inputs]
                 outs = [self.bufs[n] for n in h.outputs]
+                serial = self._serial.get(seg)
+                if serial is None:
+                    serial = self._serial[seg] = serial_ok(h.kernel, [int(np.size(a)) for a in ins + outs])
                 try:
-                    KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
+                    if serial:
+                        with one_thread():
+                            KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
+                    else:
+                        KERNELS[h.kernel](ins, outs, ctx, **h.attrs)
                 except (ValueError, TypeError, IndexError, KeyError, RuntimeError, ZeroDivisionError, OverflowError) as e:
                     # sizes the load-time checks cannot know (buffer lengths vs attributes): a run failure, not a crash
                     raise RunError(f"host op {seg} ({h.kernel}) failed on its buffers {list(h.inputs)} -> {list(h.outputs)}: {type(e).__name__}: {e}") from None
