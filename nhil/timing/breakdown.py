@@ -8,8 +8,8 @@
   instruction pushed the end of the timeline; they sum to the total) grouped by cause. The
   exposed cycles of the weight MACs are split three ways: the column-command cycles their
   useful weight bursts take at ``nCCD`` per burst (what the step needs at the peak column rate), the same for
-  padding bursts (the part of a row beyond the placed weights: a 576-wide GEMV row in a
-  1024-element row), and the rest (row opening/closing: nRCDRDMAC / nRP / nRAS / nRC / nFAW /
+  padding bursts (slots of an all-bank MAC that hold no weights: a 576-output GEMV on 512 slots uses
+  64 slots of its second row group), and the rest (row opening/closing: nRCDRDMAC / nRP / nRAS / nRC / nFAW /
   nRRD, refresh, and waits for the global buffer or an accumulator). The rest can be negative
   when MAC bursts hide under other work; the rows still sum to the total.
 * **counterfactual** (``what_if``): the step re-timed with one cause made free (table
