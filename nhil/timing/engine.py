@@ -22,6 +22,10 @@ Channels that received the same commands share one state object (copy on write) 
 an all-channel program costs about one channel's work; ``record=True`` keeps every
 timed command (one state per channel) for the legality checker.
 
+Modules: the channel state is :mod:`nhil.timing.chan`, the channel groups, bus slots, refresh
+and ACT/PRE are :mod:`nhil.timing.controller` (this engine's base class), the statistics and
+what the engine reads from a program are :mod:`nhil.timing.accounting` (re-exported here).
+
 Cycle accounting: every instruction's *exposed* cycles are how far it pushed the end
 of the timeline (its completion minus the latest completion before it, if positive);
 they sum to the total, so the breakdown per instruction kind and per layer is exact.
