@@ -17,12 +17,13 @@ DEVICE ?=
 REGEN ?=
 QUANT ?=
 LAYERS ?=
+PASSES ?=
 JOBS ?= 2
 # FPGA_PORT, FPGA_BAUD, FPGA_FAULTS (e.g. byte_flip=0.01,byte_drop=0.002,byte_dup=0.002,seed=1) and WAVES=1 reach the
 # targets as environment variables (make passes command-line variables to the recipe's environment)
 
 VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SEED) \
-	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen) $(if $(QUANT),--quant "$(QUANT)") $(if $(LAYERS),--layers $(LAYERS))
+	$(if $(PROMPT),--prompt "$(PROMPT)") $(if $(DEVICE),--device $(DEVICE)) $(if $(REGEN),--regen) $(if $(QUANT),--quant "$(QUANT)") $(if $(LAYERS),--layers $(LAYERS)) $(if $(PASSES),--passes "$(PASSES)")
 
 .PHONY: venv verify test test-fast bench nightly sweep checklist boards clean quant-report landscape
 

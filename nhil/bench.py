@@ -294,7 +294,7 @@ def run_bench(models: list[str], tokens: int, output: Path, gpu_gbs: float = 335
     print("[bench] smollm2-135m host share, before/after the opt-in host passes ...", file=sys.stderr, flush=True)
     from nhil.timing.host_share import BENCH_CACHE_LENS, host_share_study, host_share_table_rows
 
-    hshare = [host_share_study(max_cache_len=L, gpu_gbs=gpu_gbs) for L in BENCH_CACHE_LENS]  # issue 17 item 4
+    hshare = [host_share_study(max_cache_len=L, gpu_gbs=gpu_gbs, breakdown=L == BENCH_CACHE_LENS[0]) for L in BENCH_CACHE_LENS]  # issue 17 item 4
     from nhil.compiler.schedule import PIPELINE
 
     t = Table(title=f"nhil bench ({tokens} decoded tokens; every figure beside its baseline from this run; passes: {', '.join(PIPELINE)})")

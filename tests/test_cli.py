@@ -52,3 +52,30 @@ def test_asm_of_a_listing_without_blob_says_how_to_fix(tmp_path):
 def test_unknown_model_is_a_clear_error():
     r = sh("golden", "-m", "no-such-model")
     assert r.returncode == 2 and "unknown model 'no-such-model'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_verify_with_opt_in_passes_runs_them_and_passes(tmp_path):
+    """`nhil verify --passes default,<opt-in>` compiles with the opt-in passes (the saved program holds the in-device
+    elementwise ops ew-swiglu / ew-residual emit; the default pipeline has none) and verifies against the golden."""
+    from nhil.compiler.pipeline import DEFAULT_PASSES
+    from nhil.isa.instr import Op
+    from nhil.isa.program import Program
+
+    r = sh("verify", "-m", "llama-tiny", "-t", "sim", "--tokens", "2", "--passes", "default,ew-swiglu,ew-residual,host-overlap", "--runs-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    (rep_path,) = tmp_path.glob("*/report.json")
+    rep = json.loads(rep_path.read_text())
+    assert rep["outcome"] == "PASS"
+    assert rep["passes"] == [*DEFAULT_PASSES, "ew-swiglu", "ew-residual", "host-overlap"]
+    assert "PASSES=" + ",".join(rep["passes"]) in rep["reproducer"]
+    ops = {ins.op for ins in Program.load(rep_path.parent / "program.pimb").instrs}
+    assert {Op.EWMUL, Op.EWADD, Op.AF} <= ops
+
+
+def test_verify_unknown_pass_names_it_and_lists_the_valid_ones(tmp_path):
+    r = sh("verify", "-m", "llama-tiny", "--passes", "default,no-such-pass", "--runs-dir", str(tmp_path))
+    assert r.returncode == 64, r.stderr
+    assert "'no-such-pass'" in r.stderr and "ew-swiglu" in r.stderr and "gemv-batch" in r.stderr and "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())  # refused before any work
+    r = sh("verify", "-m", "llama-tiny", "--passes", " , ", "--runs-dir", str(tmp_path))
+    assert r.returncode == 64 and "names no pass" in r.stderr

@@ -27,10 +27,12 @@ def verify(
     kv_cache: str = typer.Option("bf16", "--kv-cache", help="KV cache storage: bf16 or fp8 (E4M3, per-head scales; adds kv_cache=fp8 to the recipe)"),
     layers: Optional[int] = typer.Option(None, "--layers", help="with --model PATH: keep the first N decoder layers"),
     board: Optional[str] = typer.Option(None, help="fpga target: a board of the boards file (boards.yaml / $NHIL_BOARDS; `nhil boards`), sets FPGA_BOARD"),
+    passes: Optional[str] = typer.Option(None, "--passes", help="comma-separated scheduling passes; 'default' = the default pipeline, e.g. default,ew-swiglu,ew-residual,host-overlap (default: the default pipeline)"),
 ) -> None:
     """Compile, run on TARGET, compare with the golden; exit 0 only if every check passes."""
     from nhil.report.writer import print_summary
     from nhil.verify import VerifyOptions, verify as run_verify
+    from nhil.verify.options import parse_passes
 
     if board:
         import os
@@ -40,7 +42,8 @@ def verify(
     for kv in option:
         k, _, v = kv.partition("=")
         opts[k] = v
-    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant, layers=layers, kv_cache=kv_cache)
+    names = _checked(parse_passes, passes)
+    o = VerifyOptions(model=model, target=target, prompt=prompt, tokens=tokens, seed=seed, device=device, regen=regen, target_options=opts, lockstep=not no_lockstep, repeat=repeat, runs_dir=runs_dir, quant=quant, layers=layers, kv_cache=kv_cache, passes=names)
     rep = _checked(run_verify, o)
     print_summary(rep)
     typer.echo(f"report: {rep['run_dir']}/report.md", err=True)

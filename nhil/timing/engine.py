@@ -22,6 +22,10 @@ Channels that received the same commands share one state object (copy on write) 
 an all-channel program costs about one channel's work; ``record=True`` keeps every
 timed command (one state per channel) for the legality checker.
 
+Modules: the channel state is :mod:`nhil.timing.chan`, the channel groups, bus slots, refresh
+and ACT/PRE are :mod:`nhil.timing.controller` (this engine's base class), the statistics and
+what the engine reads from a program are :mod:`nhil.timing.accounting` (re-exported here).
+
 Cycle accounting: every instruction's *exposed* cycles are how far it pushed the end
 of the timeline (its completion minus the latest completion before it, if positive);
 they sum to the total, so the breakdown per instruction kind and per layer is exact.
@@ -29,248 +33,30 @@ they sum to the total, so the breakdown per instruction kind and per layer is ex
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import defaultdict
 
 from nhil.isa.device import DeviceConfig
-from nhil.isa.instr import ALL_CH, FLAG_POS_COL, FLAG_POS_SLOT, Instr, Op
+from nhil.isa.instr import ALL_CH, Instr, Op
 from nhil.isa.program import Program
-from nhil.timing.commands import acc_bursts, ACT, ALL, EW, MAC, PRE, RD, RDACC, RDCP, REF, WR, WRACC, WRCP, WRGB, Cmd, unroll_instr
+from nhil.timing.accounting import (  # noqa: F401  (re-exported: nhil.timing.engine is where callers import them from)
+    TimingStats,
+    bind_template,
+    host_op_cycles,
+    instr_kind,
+    kv_row_set,
+    layer_map,
+    mac_useful_elems,
+    timed_order,
+    useful_elems,
+    useful_rect,
+)
+from nhil.timing.chan import NEG, Chan, Segment  # noqa: F401  (re-exported)
+from nhil.timing.commands import acc_bursts, ACT, ALL, EW, MAC, PRE, RD, RDACC, RDCP, WR, WRACC, WRCP, WRGB, Cmd, unroll_instr
+from nhil.timing.controller import ChannelController
 from nhil.timing.table import TimingTable, timing_for
 
-NEG = -(1 << 40)
 
-
-class Chan:
-    """Controller state of one channel (or of several identical channels)."""
-
-    __slots__ = ("nb", "bus", "open", "act_t", "pre_t", "rd_t", "wr_t", "rd_all", "acts", "col_t", "ext_t", "gb_w", "gb_r", "acc_w", "acc_mac", "acc_r", "floor", "done", "refs", "ref_t", "idle_from", "cmds", "busy", "last")
-
-    def __init__(self, d: DeviceConfig, row_buffers: int = 1) -> None:
-        self.nb = d.banks
-        self.bus: set[int] = set()
-        nv = d.banks * row_buffers  # one entry per (row buffer, bank): index buffer * banks + bank
-        self.open = [-1] * nv
-        self.act_t = [NEG] * nv
-        self.pre_t = [NEG] * nv
-        self.rd_t = [NEG] * nv
-        self.wr_t = [NEG] * nv
-        self.rd_all = NEG
-        self.acts: list[int] = []
-        self.col_t = NEG
-        self.ext_t = NEG
-        g = max(1, d.gb_elems // d.lanes) * d.vectors  # every burst of every global buffer (commands.Plan.g)
-        self.gb_w = [NEG] * g
-        self.gb_r = [NEG] * g
-        na = d.accumulators * d.vectors  # every accumulator of every set (commands.acc_key)
-        self.acc_w = [NEG] * na
-        self.acc_mac = [NEG] * na
-        self.acc_r = [NEG] * na
-        self.floor = 0
-        self.done = 0
-        self.refs = 0
-        self.ref_t = NEG
-        self.idle_from: int | None = 0
-        self.cmds: list | None = None
-        self.busy = 0
-        self.last = NEG  # issue cycle of the latest command (in-order controllers issue after it)
-
-    def clone(self) -> "Chan":
-        c = Chan.__new__(Chan)
-        for s in Chan.__slots__:
-            v = getattr(self, s)
-            setattr(c, s, v.copy() if isinstance(v, (list, set)) else v)
-        return c
-
-    def key(self, horizon: int) -> tuple:
-        """State after a barrier, with times that can no longer constrain anything (older than ``floor - horizon``) folded to NEG."""
-        lim = self.floor - horizon
-
-        def n(t):
-            return t if t > lim else NEG
-
-        return (
-            tuple(self.open), tuple(map(n, self.act_t)), tuple(map(n, self.pre_t)), tuple(map(n, self.rd_t)), tuple(map(n, self.wr_t)), n(self.rd_all),
-            tuple(map(n, self.acts[-4:])), n(self.col_t), n(self.ext_t), tuple(map(n, self.gb_w)), tuple(map(n, self.gb_r)),
-            tuple(map(n, self.acc_w)), tuple(map(n, self.acc_mac)), tuple(map(n, self.acc_r)), self.floor, self.done, self.refs, n(self.ref_t), self.idle_from,
-        )
-
-
-@dataclasses.dataclass
-class Segment:
-    """Device work between two barriers (SYNC/HOST): a GEMV group, an attention phase, ..."""
-
-    kind: str = "idle"  # gemv (weight MACs only), attn (KV-row MACs), other (no MAC), idle
-    cycles: int = 0
-    useful_bytes: int = 0  # bytes of real weight elements streamed by the MACs (padding excluded)
-    bank_bursts: int = 0  # bank bursts of all MACs in the segment
-    instrs: int = 0
-
-
-def useful_rect(program: Program) -> dict[int, tuple[int, int]]:
-    """Row -> (slots, elements from column 0) of weights placed in it: ``info['row_use']`` or the bank images' used rectangle."""
-    ru = program.info.get("row_use")
-    if ru:
-        return {int(r): (int(u[0]), int(u[1])) for r, u in ru.items()}
-    from nhil.isa.program import _used_rect
-
-    out = {}
-    for img in program.bank_images:
-        if img.data is not None:
-            out[img.row] = tuple(int(v) for v in _used_rect(img.data, program.device))
-    return out
-
-
-def useful_elems(program: Program) -> dict[int, int]:
-    """Row -> weight elements placed in it (all slots)."""
-    return {r: s_ * c_ for r, (s_, c_) in useful_rect(program).items()}
-
-
-def mac_useful_elems(rect: tuple[int, int] | None, col: int, n: int, lanes: int) -> int:
-    """Weight elements (all slots) a MAC over bursts ``[col, col+n)`` of a row with used rectangle ``rect`` reads."""
-    if rect is None:
-        return 0
-    s_, c_ = rect
-    return s_ * max(0, min(c_, (col + n) * lanes) - col * lanes)
-
-
-@dataclasses.dataclass
-class TimingStats:
-    """What the engine measured (cycles are command-clock cycles of the table)."""
-
-    cycles: int = 0
-    exposed_by_kind: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
-    exposed_by_layer: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
-    count_by_kind: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
-    mac_bursts: int = 0  # all-bank MAC bursts summed over channels (x banks = bank bursts)
-    mac_bank_bursts: int = 0
-    weight_bank_bursts: int = 0  # bank bursts of MACs on weight rows (GEMV)
-    acts: int = 0
-    refs: int = 0
-    steps: list = dataclasses.field(default_factory=list)  # cycles per program run (EOC to EOC)
-
-    def to_json(self) -> dict:
-        return {
-            "cycles": self.cycles,
-            "exposed_by_kind": dict(self.exposed_by_kind),
-            "exposed_by_layer": dict(self.exposed_by_layer),
-            "count_by_kind": dict(self.count_by_kind),
-            "mac_bank_bursts": self.mac_bank_bursts,
-            "weight_bank_bursts": self.weight_bank_bursts,
-            "acts": self.acts,
-            "refs": self.refs,
-            "steps": list(self.steps),
-        }
-
-
-def instr_kind(ins: Instr, kv_rows: set[int] | None, host_ops=None) -> str:
-    """Accounting class of an instruction: ``MAC_AB.gemv`` / ``MAC_AB.attn``, ``HOST.<kernel>``, or the opcode."""
-    if ins.op is Op.MAC_AB or ins.op is Op.MAC_SB or ins.op is Op.MAC_ABV:
-        return f"{ins.op.name}.{'attn' if kv_rows and ins.row in kv_rows else 'gemv'}"
-    if ins.op is Op.HOST and host_ops is not None:
-        return f"HOST.{host_ops[ins.imm].kernel}"
-    return ins.op.name
-
-
-def kv_row_set(program: Program) -> set[int]:
-    """Rows holding KV cache (from ``info['kv_layout']``)."""
-    rows: set[int] = set()
-    for kv in (program.info.get("kv_layout") or {}).values():
-        rows.update(range(kv["k_base"], kv["k_base"] + kv["k_rows"]))
-        rows.update(range(kv["v_base"], kv["v_base"] + kv["v_rows_per_group"] * kv["v_groups"]))
-    return rows
-
-
-def layer_map(program: Program) -> list[str]:
-    """Layer of every instruction: ``embed``, ``L<i>`` (up to the host op producing layer i's output), ``head``."""
-    ends: dict[str, int] = {}
-    for k, v in program.io.get("outputs", {}).items():
-        if k.startswith("act.model.layers."):
-            ends[v] = int(k.split("@")[0].rsplit(".", 1)[1])  # a prefill program's outputs end in @<token>
-    nlayers = len(set(ends.values()))
-    out = []
-    cur = 0
-    started = False
-    read_end = None  # a layer output read back from the device (ew-residual): the layer ends at the next barrier
-    for ins in program.instrs:
-        if ins.op is Op.HOST:
-            h = program.host_ops[ins.imm]
-            if h.kernel != "embedding":
-                started = True
-        if read_end is not None and ins.op in (Op.SYNC, Op.HOST):
-            cur, read_end = read_end, None
-        label = f"L{cur}" if started else "embed"
-        if cur >= nlayers and ends:
-            label = "head"
-        out.append(label)
-        if ins.op is Op.HOST:
-            for o in program.host_ops[ins.imm].outputs:
-                if o in ends:
-                    cur = ends[o] + 1
-        elif ins.op is Op.RD_ACC and ins.operand < len(program.operands) and program.operands[ins.operand].buffer in ends:
-            read_end = ends[program.operands[ins.operand].buffer] + 1
-    return out
-
-
-def timed_order(program: Program) -> list[int]:
-    """Instruction indices in the order one decode step issues them.
-
-    Without MoE this is the program order. MoE expert sub-programs (``HOST moe_expert``
-    marker up to the next marker or ``HOST moe_dispatch``, ``nhil.compiler.lower_moe``) are
-    not part of the linear stream: the runtime runs the routed ones at the dispatch
-    (``nhil.runtime.executor.Runner``). The timing runs the sub-programs of the first
-    ``top_k`` experts there: every expert of a layer has the same placement shape, so the
-    time does not depend on which experts the router picks. The markers themselves are
-    not issued (the runtime skips them too).
-    """
-    instrs, hops = program.instrs, program.host_ops
-    if not any(h.kernel == "moe_dispatch" for h in hops):
-        return list(range(len(instrs)))
-    linear: list[int] = []
-    subs: dict[int, list[int]] = {}  # marker host-op index -> its instructions
-    cur = None
-    for i, ins in enumerate(instrs):
-        kern = hops[ins.imm].kernel if ins.op is Op.HOST else None
-        if kern == "moe_expert":
-            cur = subs.setdefault(ins.imm, [])
-            continue
-        if kern == "moe_dispatch":
-            h = hops[ins.imm]
-            for m in h.attrs["experts"][: int(h.attrs["top_k"])]:
-                linear.extend(subs.get(m, []))
-            cur = None
-        (linear if cur is None else cur).append(i)
-    return linear
-
-
-def host_op_cycles(program: Program, hop, t: TimingTable) -> int:
-    """Host kernel time: fixed call cost + bytes moved (outputs x (inputs + 1), fp32) at ``host_gbs``.
-
-    ``moe_dispatch`` reads the route and the ``top_k`` routed experts' outputs only.
-    """
-    out_elems = sum(program.buffers.get(o, 0) for o in hop.outputs)
-    n_in = 1 + int(hop.attrs["top_k"]) if hop.kernel == "moe_dispatch" else len(hop.inputs)
-    nbytes = 4 * out_elems * (1 + n_in)
-    ns = t.host_op_ns + nbytes / t.host_gbs
-    return int(math.ceil(ns / t.tck_ns))
-
-
-def bind_template(ins: Instr, d: DeviceConfig, pos: int = 0) -> Instr:
-    """Bind position-relative flags as the runtime does (``docs/isa.md``), for timing a template
-    (a prefill template's ``tok`` adds to ``pos``)."""
-    if ins.tok:
-        pos += ins.tok
-        ins = ins._replace(tok=0)
-    if ins.flags & FLAG_POS_SLOT:
-        slot = pos % d.slots
-        ins = ins._replace(flags=ins.flags & ~FLAG_POS_SLOT, ch=slot // d.banks, bank=slot % d.banks, row=ins.row + pos // d.slots)
-    if ins.flags & FLAG_POS_COL:
-        ins = ins._replace(flags=ins.flags & ~FLAG_POS_COL, row=ins.row + pos // d.cols, col=(pos % d.cols) // d.lanes, imm=1 << (pos % d.lanes))
-    return ins
-
-
-class TimingEngine:
+class TimingEngine(ChannelController):
     """Schedules instructions on a device (see the module docstring).
 
     Args:
@@ -311,159 +97,6 @@ class TimingEngine:
         self.segments: list[Segment] = []
         self._seg = Segment()
         self._seg_floor = 0
-
-    # ------------------------------------------------------------------ helpers
-    def _all_groups(self) -> list[tuple[Chan, list[int]]]:
-        if self._groups is None:
-            self._groups = self._unique(range(self.d.channels))
-        return self._groups
-
-    def _unique(self, chans) -> list[tuple[Chan, list[int]]]:
-        seen: dict[int, tuple[Chan, list[int]]] = {}
-        for c in chans:
-            s = self.st[c]
-            e = seen.get(id(s))
-            if e is None:
-                seen[id(s)] = (s, [c])
-            else:
-                e[1].append(c)
-        return list(seen.values())
-
-    def _own(self, ch: int) -> Chan:
-        s = self.st[ch]
-        if self._refcount.get(id(s), 1) > 1:
-            self._groups = None
-            self._refcount[id(s)] -= 1
-            s = s.clone()
-            self.st[ch] = s
-            self._refcount[id(s)] = 1
-        return s
-
-    def _split_by(self, f) -> None:
-        """Split channel groups whose members would get different commands (``f(channel)`` differs)."""
-        for s, chans in list(self._all_groups()):
-            parts: dict = {}
-            for c in chans:
-                parts.setdefault(f(c), []).append(c)
-            if len(parts) == 1:
-                continue
-            self._groups = None
-            for i, part in enumerate(parts.values()):
-                if i == 0:
-                    self._refcount[id(s)] = len(part)
-                    continue
-                n = s.clone()
-                self._refcount[id(n)] = len(part)
-                for c in part:
-                    self.st[c] = n
-
-    def _slot(self, s: Chan, t: int) -> int:
-        if self.inorder and t <= s.last:
-            t = s.last + 1
-        bus = s.bus
-        while t in bus:
-            t += 1
-        bus.add(t)
-        if t > s.last:
-            s.last = t
-        return t
-
-    def _emit(self, s: Chan, t: int, kind: str, bank=ALL, row=-1, col=-1, k=-1, idx=-1, chans=None) -> None:
-        if s.cmds is not None:
-            s.cmds.append(Cmd(t, chans[0] if chans else -1, kind, bank, row, col, k, idx))
-
-    # ------------------------------------------------------------------ refresh
-    def _ref_owed(self, s: Chan, t: int) -> int:
-        return t // self.t.nREFI - s.refs
-
-    def _issue_ref(self, s: Chan, t: int, idx: int, chans) -> int:
-        T = self.t
-        for u in range(self.nbuf):
-            if any(o != -1 for o in s.open[u * s.nb : (u + 1) * s.nb]):
-                t = self._pre(s, ALL, t, idx, chans, u * s.nb)
-        t = max(t, max(s.pre_t) + T.nRP, max(s.act_t) + T.nRC, s.ref_t + T.nRFC, s.floor)
-        t = self._slot(s, t)
-        s.ref_t = t
-        s.refs += 1
-        self.stats.refs += len(chans) if chans else 1
-        self._emit(s, t, REF, idx=-1, chans=chans)
-        s.done = max(s.done, t + T.nRFC)
-        return t
-
-    def _idle_refresh(self, s: Chan, chans) -> None:
-        """Fill the idle gap before a barrier with refreshes (pull-in up to the slack)."""
-        T = self.t
-        if s.idle_from is None:
-            return
-        t0, end = s.idle_from, s.floor
-        s.idle_from = None
-        while True:
-            owed = self._ref_owed(s, end)
-            if owed <= -T.max_ref_slack:
-                return
-            need_pre = any(o != -1 for o in s.open)
-            start = max(t0, s.ref_t + T.nRFC, max(s.act_t) + (T.nRAS if need_pre else T.nRC))
-            if start + (T.nRP + 1 if need_pre else 0) + T.nRFC > end:
-                return
-            saved_floor = s.floor
-            s.floor = start
-            self._issue_ref(s, start, -1, chans)
-            s.floor = saved_floor
-            t0 = s.ref_t + 1
-
-    # ------------------------------------------------------------------ row commands
-    def _pre(self, s: Chan, bank: int, t0: int, idx: int, chans, base: int = 0) -> int:
-        T = self.t
-        banks = range(base, base + s.nb) if bank == ALL else (base + bank,)
-        t = t0
-        for b in banks:
-            if s.open[b] != -1:
-                t = max(t, s.act_t[b] + T.nRAS, max(s.rd_t[b], s.rd_all) + T.nRTP, s.wr_t[b] + T.nCWL + T.nBL + T.nWR)
-        t = self._slot(s, max(t, s.floor))
-        for b in banks:
-            s.pre_t[b] = t
-            s.open[b] = -1
-        self._emit(s, t, PRE, bank, idx=idx, chans=chans)
-        return t
-
-    def _act(self, s: Chan, bank: int, row: int, t0: int, idx: int, chans, base: int = 0) -> int:
-        T = self.t
-        banks = range(base, base + s.nb) if bank == ALL else (base + bank,)
-        while True:  # refresh first while max_ref_slack are owed at the ACT's cycle
-            t = max(t0, s.floor, s.ref_t + T.nRFC)
-            for b in banks:
-                t = max(t, s.pre_t[b] + T.nRP, s.act_t[b] + T.nRC)
-            if s.acts:
-                t = max(t, s.acts[-1] + T.nRRD)
-                if len(s.acts) >= 4:
-                    t = max(t, s.acts[-4] + T.nFAW)
-            if self._ref_owed(s, t) < T.max_ref_slack:
-                break
-            self._issue_ref(s, max(t0, s.floor), idx, chans)
-        t = self._slot(s, t)
-        for b in banks:
-            s.act_t[b] = t
-            s.open[b] = row
-        s.acts.append(t)
-        if len(s.acts) > 8:
-            del s.acts[:4]
-        self.stats.acts += len(chans)
-        self._emit(s, t, ACT, bank, row, idx=idx, chans=chans)
-        return t
-
-    def _buffer(self, s: Chan, ins: Instr) -> int:
-        """Row buffer an instruction's row uses (``row_buffers`` > 1): the one holding the row open, else the least recently activated."""
-        nb = s.nb
-        if ins.op is Op.MAC_AB or ins.op is Op.WR_ABK:
-            sel = range(nb)
-        elif ins.op in (Op.MAC_SB, Op.WR_SBK, Op.RD_SBK, Op.COPY_BK_GB, Op.COPY_GB_BK):
-            sel = (ins.bank,)
-        else:
-            return 0
-        for u in range(self.nbuf):
-            if all(s.open[u * nb + b] == ins.row for b in sel):
-                return u
-        return min(range(self.nbuf), key=lambda u: (max(s.act_t[u * nb + b] for b in sel), u))
 
     # ------------------------------------------------------------------ one instruction in one channel state
     def _run(self, s: Chan, ins: Instr, idx: int, ch: int, chans) -> int:
@@ -617,23 +250,6 @@ class TimingEngine:
             s.bus = {x for x in s.bus if x >= b}
         self._merge()
         return b
-
-    def _merge(self) -> None:
-        if self.record:
-            return
-        uniq = self._all_groups()
-        if len(uniq) == 1:
-            return
-        self._groups = None
-        by_key: dict[tuple, Chan] = {}
-        for s, chans in uniq:
-            kk = s.key(self.horizon)
-            keep = by_key.setdefault(kk, s)
-            if keep is not s:
-                for c in chans:
-                    self.st[c] = keep
-                self._refcount[id(keep)] = self._refcount.get(id(keep), 0) + len(chans)
-                self._refcount.pop(id(s), None)
 
     def add(self, idx: int, ins: Instr) -> None:
         """Time one instruction (position flags bound; HOST/SYNC/EOC included)."""

@@ -41,26 +41,35 @@ def _row(label: str, passes: list[str], rep: dict, seconds: float) -> dict:
 BENCH_CACHE_LENS = (16, 128)  # 16: the `llama` bench row's cache (the issue's 5,263 of 35,718 tok/s); 128: the ablation's
 
 
-def host_share_study(config: str = "smollm2-135m", device: str = "aim-like", max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS) -> dict:
+def host_share_study(config: str = "smollm2-135m", device: str = "aim-like", max_cache_len: int = 128, gpu_gbs: float = GPU_HBM_GBS,
+                     breakdown: bool = False) -> dict:
     """Rows of the study (module docstring): ``{"config", "max_cache_len", "rows": [{variant, passes, cycles_per_token, tokens_per_s,
     table_bound_tokens_per_s, of_bound, host_and_sync_fraction, sync_cycles, host_kernel_cycles, syncs, host_calls,
-    host_overlap, seconds}]}``; the last rows are the *after* program at hand-off latencies :data:`HANDOFF_NS`."""
+    host_overlap, seconds}]}``; the last rows are the *after* program at hand-off latencies :data:`HANDOFF_NS`.
+    With ``breakdown``, also ``"breakdown": {"before", "after"}``: :func:`nhil.timing.breakdown.step_breakdown` of the
+    first and the last variant's program (cycles by cause, and the caps with one cause made free)."""
     from nhil.compiler.pipeline import DEFAULT_PASSES, compile_shapes
     from nhil.timing.table import timing_for
 
     rows = []
-    after = None
+    after = before = None
     for label, extra in VARIANTS:
         passes = list(DEFAULT_PASSES) + list(extra)
         t0 = time.perf_counter()
         prog = compile_shapes(config, device=device, passes=passes, max_cache_len=max_cache_len)
         rows.append(_row(label, passes, analyze(prog, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
         after = prog
+        before = before or prog
     for ns in HANDOFF_NS:
         t0 = time.perf_counter()
         T = timing_for(after.device).replace(host_latency_ns=ns)
         rows.append(_row(f"after, hand-off {ns:.0f} ns (assumed 500)", rows[-1]["passes"], analyze(after, table=T, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
-    return {"config": config, "max_cache_len": max_cache_len, "rows": rows}
+    out = {"config": config, "max_cache_len": max_cache_len, "rows": rows}
+    if breakdown:
+        from nhil.timing.breakdown import step_breakdown
+
+        out["breakdown"] = {"before": step_breakdown(before), "after": step_breakdown(after)}
+    return out
 
 
 def host_share_table_rows(study: dict) -> list[tuple[str, str, str, str]]:
@@ -70,4 +79,9 @@ def host_share_table_rows(study: dict) -> list[tuple[str, str, str, str]]:
         out.append((f"host share (L={study['max_cache_len']}): {r['variant']}", f"{r['tokens_per_s']:,.0f} tok/s ({r['cycles_per_token']:,} cyc)", f"{r['of_bound']:.3f}",
                     f"of table bound {r['table_bound_tokens_per_s']:,.0f} tok/s; host+SYNC {r['host_and_sync_fraction']:.3f} "
                     f"(SYNC {r['sync_cycles']:,} cyc x{r['syncs']}, host kernels {r['host_kernel_cycles']:,} cyc x{r['host_calls']})"))
+    if "breakdown" in study:
+        from nhil.timing.breakdown import breakdown_table_rows
+
+        for which, b in study["breakdown"].items():
+            out.extend(breakdown_table_rows(b, f"L={study['max_cache_len']}, {which}"))
     return out

@@ -71,6 +71,8 @@ class VerifyOptions:
             from nhil.compiler.pipeline import DEFAULT_PASSES
 
             self.passes = DEFAULT_PASSES
+        self.passes = tuple(self.passes)
+        check_passes(self.passes)
 
     def reproducer(self) -> str:
         parts = [f"make verify MODEL={self.model} TARGET={self.target} TOKENS={self.tokens} SEED={self.seed}"]
@@ -82,7 +84,53 @@ class VerifyOptions:
             parts.append(f"QUANT={shlex.quote(self.quant)}")
         if self.layers is not None:
             parts.append(f"LAYERS={self.layers}")
+        from nhil.compiler.pipeline import DEFAULT_PASSES
+
+        if tuple(self.passes) != DEFAULT_PASSES:
+            parts.append(f"PASSES={','.join(self.passes)}")
         for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "FPGA_BOARD", "WAVES"):
             if os.environ.get(env):
                 parts.append(f"{env}={shlex.quote(os.environ[env])}")
         return " ".join(parts)
+
+
+def parse_passes(text: str | None) -> tuple[str, ...]:
+    """``nhil verify --passes`` text -> pass names: comma-separated; ``default`` stands for the default pipeline
+    (``nhil.compiler.pipeline.DEFAULT_PASSES``), so ``default,ew-swiglu`` adds an opt-in pass. ``None`` -> ``()``
+    (the default pipeline).
+
+    Raises:
+        UsageError: an empty list, or an unknown pass name (:func:`check_passes`).
+    """
+    if text is None:
+        return ()
+    from nhil.args import UsageError
+    from nhil.compiler.pipeline import DEFAULT_PASSES
+
+    names: list[str] = []
+    for n in (p.strip() for p in text.split(",")):
+        if n == "default":
+            names.extend(DEFAULT_PASSES)
+        elif n:
+            names.append(n)
+    if not names:
+        raise UsageError(f"--passes {text!r} names no pass; give 'default' (the default pipeline) and/or pass names: {_valid_passes()}")
+    out = tuple(dict.fromkeys(names))
+    check_passes(out)
+    return out
+
+
+def _valid_passes() -> str:
+    from nhil.compiler.schedule import OPT_IN, PIPELINE
+
+    return f"default: {', '.join(PIPELINE)}; opt-in: {', '.join(OPT_IN)}"
+
+
+def check_passes(passes) -> None:
+    """Raise ``UsageError`` naming every unknown scheduling pass in ``passes`` and listing the valid ones (``nhil.compiler.schedule.ORDER``)."""
+    from nhil.args import UsageError
+    from nhil.compiler.schedule import PASS_INFO
+
+    bad = [n for n in passes if n not in PASS_INFO]
+    if bad:
+        raise UsageError(f"unknown scheduling pass(es) {', '.join(map(repr, bad))}; valid passes are {_valid_passes()}")
