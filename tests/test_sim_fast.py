@@ -26,6 +26,11 @@ def _bits(u32: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(u32).view(np.uint32)
 
 
+def _bank_minor(mem: np.ndarray) -> np.ndarray:
+    """uint16 ``[channels, banks, slots, cols]`` -> the kernels' storage order ``[channels, slots, cols, banks]``."""
+    return np.ascontiguousarray(mem.transpose(0, 2, 3, 1))
+
+
 def _special_bf16(rng, shape) -> np.ndarray:
     """bf16 bit patterns: normals over the whole exponent range, subnormals, ±0, ±inf, NaNs."""
     x = rng.integers(0, 1 << 16, size=shape, dtype=np.uint32).astype(np.uint16)  # every class, uniformly over bit patterns
@@ -48,13 +53,13 @@ def test_kernel_equals_mac_bursts_on_random_and_special_values(special):
         mem = f32_to_bf16_bits(rng.standard_normal((C, B, R, cols)).astype(np.float32) * np.float32(2.0) ** rng.integers(-60, 60, (C, B, R, cols)))
         gb = f32_to_bf16_bits(rng.standard_normal((C, cols)).astype(np.float32))
         acc = rng.standard_normal((C, B, K)).astype(np.float32)
-    for c0, c1, b0, b1, s, k, col, n in [(0, 3, 0, 4, 1, 0, 0, 8), (1, 2, 2, 3, 0, 1, 3, 5), (0, 3, 0, 4, -1, 1, 2, 1)]:
+    for c0, c1, b0, b1, s, k, col, n in [(0, 3, 0, 4, 1, 0, 0, 8), (1, 2, 2, 3, 0, 1, 3, 5), (0, 3, 0, 4, -1, 1, 2, 1), (0, 2, 1, 4, 1, 1, 1, 6)]:
         want = acc.copy()
         w = np.zeros((c1 - c0, b1 - b0, n * 16), np.float32) if s < 0 else bf16_bits_to_f32(mem[c0:c1, b0:b1, s, col * 16 : (col + n) * 16])
         a = bf16_bits_to_f32(gb[c0:c1, col * 16 : (col + n) * 16])[:, None, :]
         want[c0:c1, b0:b1, k] = mac_bursts(want[c0:c1, b0:b1, k], w, a)
         got = acc.copy()
-        kernels.mac_bf16(mem, gb, got, c0, c1, b0, b1, s, k, col, n)
+        kernels.mac_bf16(_bank_minor(mem), gb, got, c0, c1, b0, b1, s, k, col, n)
         assert np.array_equal(_bits(got), _bits(want))
     if special:
         assert np.isnan(got).any() and (_bits(got)[np.isnan(got)] == 0x7FC00000).all()  # the case exercised NaN canonicalisation
@@ -66,7 +71,7 @@ def test_kernel_keeps_the_pairwise_order_hand_case():
     mem[0, 0, 0, :4] = f32_to_bf16_bits(np.array([2.0**24, 1, 1, 1], np.float32))
     gb = f32_to_bf16_bits(np.ones((1, 16), np.float32))
     acc = np.zeros((1, 1, 1), np.float32)
-    kernels.mac_bf16(mem, gb, acc, 0, 1, 0, 1, 0, 0, 0, 1)
+    kernels.mac_bf16(_bank_minor(mem), gb, acc, 0, 1, 0, 1, 0, 0, 0, 1)
     assert acc[0, 0, 0] == np.float32(2.0**24 + 2)
 
 

@@ -1,4 +1,4 @@
-"""Vectorised binding of KV-cache append runs: many position-relative ``WR_SBK`` at once.
+"""Vectorised binding of instruction runs: KV-cache appends and GEMV sequences, many instructions at once.
 
 A decode step appends one K burst per KV head-group slice and one Vᵀ element per
 (head, dim) pair, each a ``WR_SBK`` template with position flags; a prefill program
@@ -9,8 +9,13 @@ rules of ``docs/isa.md`` "Position-relative instructions" (the same rules
 ``Runner._resolve`` applies to one instruction) to all of them with numpy, giving a
 :class:`nhil.targets.base.ResolvedRun`.
 
-``tests/test_prefill.py`` / ``tests/test_kv_fp8.py`` check that the bound run equals the
-per-instruction binding field for field and payload bit for bit.
+:class:`GemvRun` holds a maximal run of consecutive GEMV instructions without position flags
+(``WR_GB`` of an activation slice, ``WR_ACC`` of partial sums, ``MAC_AB``/``MAC_SB``, ``RD_ACC``: the
+other third); its fields never change, so binding only gathers the payloads from the block's host
+buffers, giving a :class:`nhil.targets.base.ResolvedGemvRun` that a target runs in one call.
+
+``tests/test_prefill.py`` / ``tests/test_kv_fp8.py`` / ``tests/test_bind_runs.py`` check that a bound run
+equals the per-instruction binding field for field and payload bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import numpy as np
 
 from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, Op
 from nhil.numerics.kv_fp8 import V_HEADER, v_positions_per_row
-from nhil.targets.base import ResolvedRun
+from nhil.targets.base import ResolvedGemvRun, ResolvedRun
 
 # Instr field columns
 _FLAGS, _CH, _BANK, _ROW, _COL, _K, _IMM, _TOK = 1, 2, 3, 4, 5, 8, 9, 10
@@ -74,12 +79,13 @@ class KvRun:
     def __len__(self) -> int:
         return int(self.index.size)
 
-    def bind(self, pos: int, bits_of) -> ResolvedRun:
+    def bind(self, pos: int, bits_of, bufs=None) -> ResolvedRun:
         """Bind every template for cache position ``pos``.
 
         Args:
             pos: the step's ``$pos`` (a template's ``tok`` adds to it).
             bits_of: ``buffer name -> uint16 [len]`` bits of the whole buffer (bf16 of the fp32 values, or the raw words).
+            bufs: unused (the signature of :meth:`GemvRun.bind`).
         Returns:
             the bound run (fields without position flags, ``tok`` 0; payload uint16 ``[m, lanes]``).
         """
@@ -121,3 +127,85 @@ class KvRun:
             payload[self.bi] = np.where(self.burst_take, allbits[self.burst_src], 0)
         return ResolvedRun(self.index, f, payload)
 
+
+
+GEMV_OPS = frozenset({Op.WR_GB, Op.WR_ACC, Op.MAC_AB, Op.MAC_SB, Op.RD_ACC})
+
+
+def is_gemv_member(program, ins) -> bool:
+    """True for a GEMV instruction without position flags whose payload binds as ``Runner._resolve`` binds it
+    without error (an operand that exists; ``WR_GB``: at most ``n * lanes`` elements; ``WR_ACC``: exactly ``n``)."""
+    if ins.op not in GEMV_OPS or ins.flags & (FLAG_POS_SLOT | FLAG_POS_COL):
+        return False
+    if ins.op is Op.WR_GB or ins.op is Op.WR_ACC:
+        if ins.operand >= len(program.operands):
+            return False
+        cnt = program.operands[ins.operand].count
+        return cnt <= ins.n * program.device.lanes if ins.op is Op.WR_GB else cnt == ins.n
+    return True
+
+
+class GemvRun:
+    """Instructions ``index`` (consecutive :func:`is_gemv_member`) of ``program``, as arrays.
+
+    Args:
+        program: the Program; index: instruction indices.
+        raw: names of raw-word buffers (their ``WR_GB`` payload is the words, not bf16 of the values).
+        sizes: element count of every host buffer (``program.buffers``).
+    """
+
+    def __init__(self, program, index: list[int], raw: frozenset, sizes: dict[str, int]) -> None:
+        L = program.device.lanes
+        self.lanes = L
+        self.index = np.asarray(index, np.int64)
+        ins = [program.instrs[i] for i in index]
+        self.fields = np.array([(int(x.op), x.flags, x.ch, x.bank, x.row, x.col, x.n, x.operand, x.k, x.imm, x.tok) for x in ins], np.int64)
+        self.offset = np.zeros(len(ins), np.int64)
+        gb = [(j, x, program.operands[x.operand]) for j, x in enumerate(ins) if x.op is Op.WR_GB]
+        acc = [(j, x, program.operands[x.operand]) for j, x in enumerate(ins) if x.op is Op.WR_ACC]
+        self.gb_buffers = list(dict.fromkeys(o.buffer for _, _, o in gb))
+        self.acc_buffers = list(dict.fromkeys(o.buffer for _, _, o in acc))
+        start = dict(zip(self.gb_buffers, np.cumsum([0] + [sizes[b] for b in self.gb_buffers[:-1]]).tolist()))
+        src, take, at = [], [], 0
+        for j, x, o in gb:  # payload: the operand's elements from lane 0 of the first burst, zero-padded to n bursts
+            n = x.n * L
+            self.offset[j] = at
+            k = np.arange(n)
+            src.append(np.where(k < o.count, start[o.buffer] + o.offset + k, 0))
+            take.append(k < o.count)
+            at += n
+        self.gb_src = np.concatenate(src) if src else np.zeros(0, np.int64)
+        self.gb_take = np.concatenate(take) if take else np.zeros(0, bool)
+        self.gb_full = bool(self.gb_take.all())
+        start = dict(zip(self.acc_buffers, np.cumsum([0] + [sizes[b] for b in self.acc_buffers[:-1]]).tolist()))
+        src, at = [], 0
+        for j, x, o in acc:
+            self.offset[j] = at
+            src.append(start[o.buffer] + o.offset + np.arange(o.count))
+            at += o.count
+        self.acc_src = np.concatenate(src) if src else np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+    def bind(self, pos: int, bits_of, bufs: dict) -> ResolvedGemvRun:
+        """Gather the payloads of the run from the block's host buffers (the fields carry no position).
+
+        Args:
+            pos: unused (no member has position flags).
+            bits_of: ``buffer name -> uint16 [len]`` bits of the whole buffer (bf16 of the fp32 values, or the raw words).
+            bufs: ``buffer name -> float32 [len]`` the host buffers (``WR_ACC`` payloads are their values).
+        """
+        bits = np.zeros(0, np.uint16)
+        if self.gb_buffers:
+            parts = [bits_of(b) for b in self.gb_buffers]
+            allbits = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            bits = allbits[self.gb_src]
+            if not self.gb_full:
+                bits[~self.gb_take] = 0
+        values = np.zeros(0, np.float32)
+        if self.acc_buffers:
+            parts = [np.asarray(bufs[b], dtype=np.float32) for b in self.acc_buffers]
+            allv = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            values = allv[self.acc_src]
+        return ResolvedGemvRun(self.index, self.fields, self.offset, bits, values, self, self.lanes)

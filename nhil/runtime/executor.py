@@ -35,7 +35,7 @@ from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, OPINFO, Instr, Op
 from nhil.isa.program import Program
 from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from nhil.numerics.kv_fp8 import bind_v_byte
-from nhil.runtime.bind_runs import KvRun, is_run_member
+from nhil.runtime.bind_runs import GemvRun, KvRun, is_gemv_member, is_run_member
 from nhil.runtime.host_kernels import KERNELS
 from nhil.runtime.host_threads import one_thread, serial_ok
 from nhil.targets.base import ResolvedInstr, Target
@@ -142,25 +142,37 @@ class Runner:
 
     def _segment_plan(self, seg: list[int]) -> tuple[list, list]:
         """``(items, reads)`` of a device segment, built once: ``items`` are instruction indices and, on a target that
-        ``takes_runs``, :class:`KvRun` for each run of two or more KV-append templates; ``reads`` is
+        ``takes_runs``, :class:`KvRun` for each run of two or more KV-append templates and :class:`GemvRun` for each
+        run of two or more GEMV instructions without position flags; ``reads`` is
         ``(buffer, offset, count, is RD_SBK)`` per data-out instruction, in order."""
         items: list = []
         run: list[int] = []
-        lanes = self.d.lanes
+        kind: list = [None]  # the class of the run being collected
 
         def flush():
             if len(run) > 1:
-                items.append(KvRun(self.p, run, self.raw, self._sizes))
+                items.append(kind[0](self.p, run, self.raw, self._sizes))
             else:
                 items.extend(run)
             run.clear()
 
         takes = bool(getattr(self.t, "takes_runs", False))
+        lanes = self.d.lanes
         for i in seg:
             ins = self.p.instrs[i]
-            if takes and is_run_member(ins) and ins.operand < len(self.p.operands) and self.p.operands[ins.operand].count <= lanes:
-                run.append(i)
-                continue
+            if takes:
+                if is_run_member(ins) and ins.operand < len(self.p.operands) and self.p.operands[ins.operand].count <= lanes:
+                    k = KvRun
+                elif is_gemv_member(self.p, ins):
+                    k = GemvRun
+                else:
+                    k = None
+                if k is not None:
+                    if kind[0] is not k:
+                        flush()
+                        kind[0] = k
+                    run.append(i)
+                    continue
             flush()
             items.append(i)
         flush()
@@ -328,7 +340,7 @@ class Runner:
                 items, reads = plan
                 bits: dict = {}
                 bits_of = lambda b: self._bits(b, bits)  # noqa: E731
-                block = [self._resolve(it, pos, bits) if it.__class__ is int else it.bind(pos, bits_of) for it in items]
+                block = [self._resolve(it, pos, bits) if it.__class__ is int else it.bind(pos, bits_of, self.bufs) for it in items]
                 rbs = self.t.execute(block)
                 if len(rbs) != len(reads):
                     raise RunError(f"target {self.t.name} returned {len(rbs)} readbacks for a block with {len(reads)} read instructions")

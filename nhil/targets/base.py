@@ -13,9 +13,11 @@ the host runtime and each data-carrying instruction comes with its payload
 returns, in order, one array per data-out instruction (``RD_ACC``: float32 [n];
 ``RD_SBK``: uint16 [n*lanes]).
 
-A target whose ``takes_runs`` is True also accepts :class:`ResolvedRun` items in a block: a run of
-bound ``WR_SBK`` (KV-cache appends) as arrays, which it must execute exactly as the
-``ResolvedInstr`` list :meth:`ResolvedRun.instrs` gives.
+A target whose ``takes_runs`` is True also accepts two kinds of run items in a block, each of which it
+must execute exactly as the ``ResolvedInstr`` list its ``instrs()`` gives: :class:`ResolvedRun`, a run of
+bound ``WR_SBK`` (KV-cache appends) as arrays, and :class:`ResolvedGemvRun`, a run of GEMV instructions
+(``WR_GB``, ``WR_ACC``, ``MAC_AB``/``MAC_SB``, ``RD_ACC`` without position flags) as arrays, whose
+readbacks it returns in order like any others.
 """
 
 from __future__ import annotations
@@ -61,6 +63,44 @@ class ResolvedRun(NamedTuple):
                 for i, f, p in zip(self.index, self.fields, self.payload)]
 
 
+class ResolvedGemvRun(NamedTuple):
+    """Consecutive bound GEMV instructions (``WR_GB``, ``WR_ACC``, ``MAC_AB``, ``MAC_SB``, ``RD_ACC``; no position
+    flags) as arrays, for targets with ``takes_runs`` (bound by ``nhil.runtime.bind_runs.GemvRun``).
+
+    Attributes:
+        index: int64 ``[m]`` instruction indices, in program order.
+        fields: int64 ``[m, 11]`` the instructions' fields in ``Instr`` order.
+        offset: int64 ``[m]`` where each data-in instruction's payload starts in ``bits`` (``WR_GB``) or ``values``
+            (``WR_ACC``); 0 for the others.
+        bits: uint16 ``[sum of WR_GB n*lanes]`` the ``WR_GB`` payloads (bf16 bits or raw words), concatenated.
+        values: float32 ``[sum of WR_ACC n]`` the ``WR_ACC`` payloads, concatenated.
+        plan: the binding plan the run came from (the same object every step: a target may cache its checks on it).
+        lanes: elements per burst of the device (a ``WR_GB`` payload is ``n * lanes`` elements).
+    """
+
+    index: np.ndarray
+    fields: np.ndarray
+    offset: np.ndarray
+    bits: np.ndarray
+    values: np.ndarray
+    plan: object
+    lanes: int
+
+    def instrs(self) -> list[ResolvedInstr]:
+        """The same run as one :class:`ResolvedInstr` per instruction (what a target without runs receives)."""
+        out = []
+        for i, f, o in zip(self.index.tolist(), self.fields.tolist(), self.offset.tolist()):
+            ins = Instr(Op(f[0]), *f[1:])
+            if ins.op is Op.WR_GB:
+                p = self.bits[o : o + ins.n * self.lanes].copy()
+            elif ins.op is Op.WR_ACC:
+                p = self.values[o : o + ins.n].copy()
+            else:
+                p = None
+            out.append(ResolvedInstr(i, ins, p))
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a target implements.
@@ -101,6 +141,11 @@ class ReadbackDigest:
     def add(self, arr: np.ndarray) -> None:
         self._h.update(np.ascontiguousarray(arr).tobytes())
         self._n += 1
+
+    def add_many(self, arr: np.ndarray, count: int) -> None:
+        """``count`` readbacks laid end to end in ``arr`` (the same sha256 as adding each in turn)."""
+        self._h.update(np.ascontiguousarray(arr).tobytes())
+        self._n += count
 
     def sync(self, index: int) -> None:
         self.records.append(SyncRecord(index, self._h.hexdigest(), self._n))

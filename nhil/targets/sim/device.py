@@ -3,8 +3,11 @@
 State (``docs/isa.md`` section "State"):
 
 * ``BANK[ch][bank][row][col]``: bf16 bits (uint16). Only rows in use are allocated: a
-  row table maps a row index to a slot of a ``[channels, banks, slots, cols]`` array,
-  grown on first write. A row never written reads as zero.
+  row table maps a row index to a slot, grown on first write. A row never written reads as zero.
+  The storage is bank-minor, ``mem_t`` = uint16 ``[channels, slots, cols, banks]`` (lane ``i`` of
+  every bank of a channel contiguous: the SIMD axis of the fast path's MAC kernels,
+  ``nhil.targets.sim.kernels``); ``mem`` is its ``[channels, banks, slots, cols]`` view, which every
+  other reader and writer indexes.
 * ``GB[ch][i]``: global buffer, bf16 bits, ``gb_elems`` per channel; with the prefill extension ``vectors``
   of them, ``GB_j`` = ``gbs[j]`` (``gb`` is set 0).
 * ``ACC[ch][bank][k]``: fp32 accumulators; with the prefill extension (``DeviceConfig.vectors`` > 1)
@@ -43,7 +46,7 @@ class PimState:
         self.d = device
         c, b = device.channels, device.banks
         self.row_slot = np.full(device.rows, -1, dtype=np.int64)
-        self.mem = np.zeros((c, b, max(1, reserve_rows), device.cols), dtype=np.uint16)
+        self._store(np.zeros((c, max(1, reserve_rows), device.cols, b), dtype=np.uint16))
         self.n_slots = 0
         self.gbs = np.zeros((device.vectors, c, device.gb_elems), dtype=np.uint16)  # global buffers (prefill extension)
         self.gb = self.gbs[0]  # GB set 0: the global buffer of ISA v0 (a view)
@@ -54,15 +57,20 @@ class PimState:
         self.macs = 0
         self._qcache: dict[tuple[int, int], object] = {}  # (row slot, W_FMT) -> decoded MacOperands of the row
 
+    def _store(self, mem_t: np.ndarray) -> None:
+        """Make ``mem_t`` (uint16 ``[channels, slots, cols, banks]``) the bank storage; ``mem`` its bank-major view."""
+        self.mem_t = mem_t
+        self.mem = mem_t.transpose(0, 3, 1, 2)  # [channels, banks, slots, cols], writes go through to mem_t
+
     # ------------------------------------------------------------ row table
     def slot(self, row: int, allocate: bool) -> int:
         """Slot index of ``row`` (-1 when unallocated and ``allocate`` is False)."""
         s = int(self.row_slot[row])
         if s >= 0 or not allocate:
             return s
-        if self.n_slots == self.mem.shape[2]:
-            grow = np.zeros_like(self.mem[:, :, : max(8, self.n_slots)])
-            self.mem = np.concatenate([self.mem, grow], axis=2)
+        if self.n_slots == self.mem_t.shape[1]:
+            grow = np.zeros_like(self.mem_t[:, : max(8, self.n_slots)])
+            self._store(np.concatenate([self.mem_t, grow], axis=1))
         s = self.n_slots
         self.n_slots += 1
         self.row_slot[row] = s
@@ -74,7 +82,7 @@ class PimState:
         rows = np.flatnonzero((self.row_slot >= 0) & ~keep)
         for s in self.row_slot[rows]:
             self.drop_decoded(int(s))
-        self.mem[:, :, self.row_slot[rows], :] = 0
+        self.mem_t[:, self.row_slot[rows]] = 0
         self.gbs[:] = 0
         self.accs[:] = 0
         self.cfr[:] = 0

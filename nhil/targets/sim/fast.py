@@ -11,6 +11,12 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
   fails its checks goes to ``PimState.step``, which raises the named error.
 * **MAC_ABV** (prefill extension, bf16 rows) runs in ``kernels.mac_bf16_vec``: each weight burst read once for
   every vector.
+* **GEMV runs** (``ResolvedGemvRun``: consecutive WR_GB / WR_ACC / MAC_AB / MAC_SB / RD_ACC without
+  position flags, bound as arrays by ``nhil.runtime.bind_runs``) run in one call of ``kernels.gemv_run``:
+  each instruction is checked against the device-semantics table once per run (cached on its binding
+  plan), then executed in order with ``step``'s semantics; a run that fails a check, or meets rows in a
+  quantized format (CFR W_FMT != 0), runs instruction by instruction as below (so does every run while
+  ``kernels.mac_bf16`` is replaced, as a test's mutant replaces it: ``gemv_run`` calls the compiled one).
 * **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
   distinct locations become one scatter into the bank state, whether they arrive as
   ``ResolvedInstr`` or as one ``ResolvedRun`` (bound as arrays by ``nhil.runtime.bind_runs``).
@@ -24,10 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Op
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
 from nhil.isa.semantics import check_instr
 from nhil.numerics.bf16 import round_to_bf16
-from nhil.targets.base import ResolvedRun
+from nhil.targets.base import ResolvedGemvRun, ResolvedRun
 from nhil.targets.sim import kernels
 from nhil.targets.sim.device import PimState
 
@@ -38,6 +44,8 @@ class FastPimState(PimState):
     def __init__(self, device, reserve_rows: int = 8) -> None:
         super().__init__(device, reserve_rows)
         self._mac_ok: dict = {}  # instruction word -> (c0, c1, b0, b1) once its bounds passed
+        self._gemv: dict = {}  # GemvRun plan -> its kernel table (or None: run it instruction by instruction)
+        self._kernels = kernels.AVAILABLE and device.lanes == 16  # the compiled kernels assume 16 lanes per burst
 
     def run_block(self, block, digest) -> list[np.ndarray]:
         """Execute ``block`` (``ResolvedInstr`` list) in order; readbacks are returned and fed to ``digest``.
@@ -50,16 +58,20 @@ class FastPimState(PimState):
         i = 0
         while i < n:
             item = block[i]
+            if item.__class__ is ResolvedGemvRun:
+                out.extend(self._gemv_run(item, digest))
+                i += 1
+                continue
             if item.__class__ is ResolvedRun:
                 self._run_of_appends(item)
                 i += 1
                 continue
             idx, ins, payload = item
             op = ins.op
-            if (op is Op.MAC_AB or op is Op.MAC_SB) and kernels.AVAILABLE and self._mac(ins):
+            if (op is Op.MAC_AB or op is Op.MAC_SB) and self._kernels and self._mac(ins):
                 i += 1
                 continue
-            if op is Op.MAC_ABV and kernels.AVAILABLE and self._mac_v(ins):
+            if op is Op.MAC_ABV and self._kernels and self._mac_v(ins):
                 i += 1
                 continue
             if op is Op.WR_GB or op is Op.WR_ACC or op is Op.RD_ACC:
@@ -111,7 +123,7 @@ class FastPimState(PimState):
             return False
         name = ins.op.name
         self.counts[name] = self.counts.get(name, 0) + 1
-        kernels.mac_bf16(self.mem, self.gb, self.acc, c0, c1, b0, b1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n)
+        kernels.mac_bf16(self.mem_t, self.gb, self.acc, c0, c1, b0, b1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n)
         self.macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
         return True
 
@@ -164,9 +176,73 @@ class FastPimState(PimState):
         if self.cfr[c0:c1, CFR_W_FMT].any():
             return False
         self.counts["MAC_ABV"] = self.counts.get("MAC_ABV", 0) + 1
-        kernels.mac_bf16_vec(self.mem, self.gbs, self.accs, c0, c1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n, ins.imm)
+        kernels.mac_bf16_vec(self.mem_t, self.gbs, self.accs, c0, c1, int(self.row_slot[ins.row]), ins.k, ins.col, ins.n, ins.imm)
         self.macs += (c1 - c0) * d.banks * ins.n * d.lanes * ins.imm
         return True
+
+    def _gemv_run(self, run: ResolvedGemvRun, digest) -> list[np.ndarray]:
+        """A :class:`ResolvedGemvRun` in one kernel call; its readbacks (fp32 or bf16-rounded per CFR, views of one
+        array) are fed to ``digest`` end to end. Falls back to :meth:`run_block` on its instructions (which gives the
+        named error of a bad one) when the run fails a check or the weight format of a channel is not bf16."""
+        if kernels.mac_bf16 is not kernels._mac_bf16:  # mac_bf16 replaced (a test's mutant): honour it, per instruction
+            return self.run_block(run.instrs(), digest)
+        plan = self._gemv.get(run.plan, False)
+        if plan is False:
+            plan = self._gemv[run.plan] = self._gemv_table(run)
+        if plan is None:
+            return self.run_block(run.instrs(), digest)
+        tab, total, spans, rd_c0, rd_n, has_mac, counts, macs = plan
+        if has_mac and self.cfr[:, CFR_W_FMT].any():  # quantized rows: PimState's decoded-row path
+            return self.run_block(run.instrs(), digest)
+        res = np.empty(total, np.float32)
+        kernels.gemv_run(self.mem_t, self.row_slot, self.gbs, self.accs, tab, run.bits, run.values, res)
+        if spans:
+            bf = self.cfr[rd_c0, CFR_ACC_RD_FMT] == 1  # CFR reg 0 = 1: RD_ACC returns bf16 (RNE) of the accumulators
+            if bf.all():
+                res = round_to_bf16(res)
+            elif bf.any():
+                m = np.repeat(bf, rd_n)
+                res[m] = round_to_bf16(res[m])
+            digest.add_many(res, len(spans))
+        for name, c in counts:
+            self.counts[name] = self.counts.get(name, 0) + c
+        self.macs += macs
+        return [res[o:e] for o, e in spans]
+
+    def _gemv_table(self, run: ResolvedGemvRun):
+        """The kernel table of a GEMV run (``kernels.G_*`` columns) and its readback spans, counts and MACs, or None
+        when an instruction fails the device-semantics table or a check of the kernel path (``step`` must run it)."""
+        d = self.d
+        if not self._kernels:
+            return None
+        m = run.fields.shape[0]
+        tab = np.zeros((m, 12), np.int64)
+        rd_off, rd_n, rd_c0, counts, macs, at = [], [], [], {}, 0, 0
+        code = {Op.WR_GB: kernels.G_WR_GB, Op.WR_ACC: kernels.G_WR_ACC, Op.MAC_AB: kernels.G_MAC, Op.MAC_SB: kernels.G_MAC, Op.RD_ACC: kernels.G_RD_ACC}
+        for r, (f, po) in enumerate(zip(run.fields.tolist(), run.offset.tolist())):
+            ins = Instr(Op(f[0]), *f[1:])
+            if check_instr(ins, d) or ins.op not in code:
+                return None
+            c0, c1 = (0, d.channels) if ins.flags & ALL_CH else (ins.ch, ins.ch + 1)
+            b0, b1 = 0, d.banks
+            if ins.op is Op.MAC_SB:
+                b0, b1 = ins.bank, ins.bank + 1
+            if ins.op in (Op.MAC_AB, Op.MAC_SB):
+                if ins.n == 0 or ins.row >= d.rows:
+                    return None
+                macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
+            elif ins.op in (Op.WR_ACC, Op.RD_ACC) and ins.col + ins.n > (c1 - c0) * d.banks:
+                return None
+            tab[r] = (code[ins.op], c0, c1, b0, b1, ins.row, ins.k, ins.col, ins.n, ins.bank, po, at)
+            if ins.op is Op.RD_ACC:
+                rd_off.append(at)
+                rd_n.append(ins.n)
+                rd_c0.append(c0)
+                at += ins.n
+            counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
+        has_mac = bool((tab[:, 0] == kernels.G_MAC).any())
+        spans = [(o, o + n) for o, n in zip(rd_off, rd_n)]
+        return tab, at, spans, np.array(rd_c0, np.int64), np.array(rd_n, np.int64), has_mac, tuple(counts.items()), macs
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:
         """WR_SBK ``block[i:j]`` (ResolvedInstr) as one scatter (:meth:`_scatter_sbk`); False when it cannot be."""

@@ -1,22 +1,27 @@
 """Compiled inner loops of the simulator's fast path (``nhil.targets.sim.fast``).
 
-Two kernels: the multi-vector MAC of the prefill extension (``MAC_ABV``, :func:`mac_bf16_vec`: each weight
-burst read once, MAC'd into every vector's accumulator with the same arithmetic), and the bf16 MAC (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0) of
-``docs/numerics.md`` section "MAC", written as a loop that numba compiles:
+Two kernels: the bf16 MAC (``MAC_AB``/``MAC_SB`` with CFR ``W_FMT`` = 0, :func:`mac_bf16`) of
+``docs/numerics.md`` section "MAC", and the multi-vector MAC of the prefill extension (``MAC_ABV``,
+:func:`mac_bf16_vec`: each weight burst read once, MAC'd into every vector's accumulator with the same
+arithmetic), written as loops that numba compiles:
 
-* weights are read straight from the bank state (uint16 bf16 bits, widened in a register:
-  ``bits << 16``), so no decoded copy of a row is materialised per MAC;
-* per slot and burst: the 16 lane products ``fp32(w_i * a_i)``, the fixed pairwise tree
-  ``((p0+p1)+(p2+p3))+...`` (4 levels), then ``acc = fp32(acc + dot16)`` bursts in order;
+* weights are read straight from the bank state in its bank-minor storage (``PimState.mem_t``: uint16
+  ``[channels, slots, cols, banks]``), widened in a register (``bits << 16``); no decoded copy of a row is
+  kept;
+* the banks of a channel are the SIMD axis: for one burst, lane ``i`` of every bank is one contiguous
+  vector, so the 16 lane products ``fp32(w_i * a_i)``, the fixed pairwise tree ``((p0+p1)+(p2+p3))+...``
+  (4 levels) and ``acc = fp32(acc + dot16)`` (bursts in order) run for all banks at once, each bank's
+  arithmetic its own;
 * a NaN accumulator is stored as the canonical ``0x7FC00000``.
 
-Every operation is one IEEE-754 binary32 operation with round-to-nearest-even, in the
-contract's order, with no ``fastmath`` flag (no reassociation, no FMA contraction, no
-flush to zero), so the result is bit-identical to ``nhil.numerics.mac.mac_bursts``
-(``tests/test_sim_fast.py`` checks it on random data, special values and whole models).
+Every operation is one IEEE-754 binary32 operation with round-to-nearest-even, in the contract's order,
+with no ``fastmath`` flag (no reassociation, no FMA contraction, no flush to zero): vectorising across
+banks changes no operation of any one bank, so the result is bit-identical to
+``nhil.numerics.mac.mac_bursts`` (``tests/test_sim_fast.py`` checks it on random data, special values
+and whole models).
 
-``AVAILABLE`` is False when numba is missing; the fast path then runs these MACs through
-the reference numpy code (``PimState.step``).
+``AVAILABLE`` is False when numba is missing; the fast path then runs these MACs through the reference
+numpy code (``PimState.step``).
 """
 
 from __future__ import annotations
@@ -30,39 +35,88 @@ except ImportError:  # pragma: no cover - exercised only without numba
 
 AVAILABLE = njit is not None
 
+_LANES = 16  # MAC lanes per bank = bf16 elements per burst (DeviceConfig.lanes of every preset)
+_BANKS = 16  # banks per channel of every preset: the SIMD width of the all-bank path
 
-def _mac_bf16_py(mem, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no cover - compiled by numba
+
+def _canonical_py(x):  # pragma: no cover - compiled by numba
+    """``x`` (float32), with any NaN replaced by the canonical quiet NaN ``0x7FC00000``."""
+    if x != x:
+        return np.uint32(0x7FC00000).view(np.float32)
+    return x
+
+
+_canonical = njit(inline="always")(_canonical_py) if AVAILABLE else None
+
+
+def _mac_bf16_py(mem_t, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no cover - compiled by numba
     """In place: ``acc[c, b, k]`` for c in [c0, c1), b in [b0, b1) absorbs bursts [col, col+n) of row slot ``s``.
 
     Args:
-        mem: uint16 [channels, banks, row slots, cols] bank state (bf16 bits).
+        mem_t: uint16 [channels, row slots, cols, banks] bank state, bank-minor (bf16 bits).
         gb: uint16 [channels, gb_elems] global buffer (bf16 bits).
         acc: float32 [channels, banks, accumulators], updated in place.
         c0, c1, b0, b1: channel and bank ranges; s: row slot (-1: a row never written, reads as zero);
         k: accumulator; col, n: first burst and burst count (16 lanes per burst).
     """
-    wbuf = np.empty(16, np.uint32)
-    wf = wbuf.view(np.float32)
-    abuf = np.empty(16 * n, np.uint32)
+    nb = mem_t.shape[3]
+    abuf = np.empty(_LANES * n, np.uint32)
     af = abuf.view(np.float32)
-    nanbuf = np.empty(1, np.uint32)
-    nanbuf[0] = 0x7FC00000
-    cnan = nanbuf.view(np.float32)[0]
-    e0 = col * 16
+    e0 = col * _LANES
+    if b0 == 0 and b1 == _BANKS and nb == _BANKS:
+        wbuf = np.zeros(_LANES * _BANKS, np.uint32)  # one burst of every bank, widened: [lane * 16 + bank]
+        w = wbuf.view(np.float32)
+        x = np.empty(_BANKS, np.float32)
+        for c in range(c0, c1):
+            for i in range(_LANES * n):
+                abuf[i] = np.uint32(gb[c, e0 + i]) << 16
+            for b in range(_BANKS):
+                x[b] = acc[c, b, k]
+            row = mem_t[c, max(s, 0)].ravel()
+            for j in range(n):
+                if s >= 0:
+                    o = (e0 + j * _LANES) * _BANKS
+                    wu = row[o : o + _LANES * _BANKS]
+                    for t in range(_LANES * _BANKS):
+                        wbuf[t] = np.uint32(wu[t]) << 16
+                a = af[j * _LANES : j * _LANES + _LANES]
+                a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+                a8, a9, a10, a11, a12, a13, a14, a15 = a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]
+                for b in range(_BANKS):
+                    p0 = w[b] * a0
+                    p1 = w[16 + b] * a1
+                    p2 = w[32 + b] * a2
+                    p3 = w[48 + b] * a3
+                    p4 = w[64 + b] * a4
+                    p5 = w[80 + b] * a5
+                    p6 = w[96 + b] * a6
+                    p7 = w[112 + b] * a7
+                    p8 = w[128 + b] * a8
+                    p9 = w[144 + b] * a9
+                    p10 = w[160 + b] * a10
+                    p11 = w[176 + b] * a11
+                    p12 = w[192 + b] * a12
+                    p13 = w[208 + b] * a13
+                    p14 = w[224 + b] * a14
+                    p15 = w[240 + b] * a15
+                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                    x[b] = x[b] + d
+            for b in range(_BANKS):
+                acc[c, b, k] = _canonical(x[b])
+        return
+    # any other bank range (MAC_SB, devices of another bank count): one bank at a time, same arithmetic
+    wl = np.zeros(_LANES, np.uint32)
+    wf = wl.view(np.float32)
     for c in range(c0, c1):
-        for i in range(16 * n):
+        for i in range(_LANES * n):
             abuf[i] = np.uint32(gb[c, e0 + i]) << 16
         for b in range(b0, b1):
-            x = acc[c, b, k]
+            y = acc[c, b, k]
             for j in range(n):
-                o = e0 + j * 16
+                q = j * _LANES
                 if s >= 0:
-                    for i in range(16):
-                        wbuf[i] = np.uint32(mem[c, b, s, o + i]) << 16
-                else:
-                    for i in range(16):
-                        wbuf[i] = 0
-                q = j * 16
+                    for i in range(_LANES):
+                        wl[i] = np.uint32(mem_t[c, s, e0 + q + i, b]) << 16
                 p0 = wf[0] * af[q]
                 p1 = wf[1] * af[q + 1]
                 p2 = wf[2] * af[q + 2]
@@ -80,81 +134,126 @@ def _mac_bf16_py(mem, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no cove
                 p14 = wf[14] * af[q + 14]
                 p15 = wf[15] * af[q + 15]
                 d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
-                x = x + d
-            if x != x:
-                x = cnan
-            acc[c, b, k] = x
+                y = y + d
+            acc[c, b, k] = _canonical(y)
 
 
 mac_bf16 = njit(cache=True, nogil=True)(_mac_bf16_py) if AVAILABLE else None
+_mac_bf16 = mac_bf16  # the compiled kernel that mac_bf16_vec and gemv_run call (a test may replace the module's mac_bf16)
 
 
-def _mac_bf16_vec_py(mem, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
+def _mac_bf16_vec_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
     """In place, MAC_ABV: for c in [c0, c1), every bank b, j < nv: ``accs[j, c, b, k]`` absorbs bursts [col, col+n)
-    of row slot ``s`` against the same bursts of global buffer ``gbs[j, c]`` (the arithmetic of :func:`_mac_bf16_py` per set).
-
-    The activations are laid out lane-major (``a[(burst*16 + lane)*nv + vector]``) so the innermost loop runs
-    over the vectors with unit stride: each vector's products and tree are its own (the same IEEE operations
-    in the same order), so LLVM may run several vectors per SIMD instruction without changing a bit.
+    of row slot ``s`` against the same bursts of global buffer ``gbs[j, c]`` (the arithmetic of :func:`_mac_bf16_py`
+    per set): each burst of every bank is widened once and serves every vector.
 
     Args:
-        mem: uint16 [channels, banks, row slots, cols]; gbs: uint16 [sets, channels, gb_elems];
+        mem_t: uint16 [channels, row slots, cols, banks] (bank-minor); gbs: uint16 [sets, channels, gb_elems];
         accs: float32 [sets, channels, banks, accumulators], updated in place;
         s: row slot (-1: a row never written, reads as zero); nv: vectors (sets) served.
     """
-    nb = mem.shape[1]
-    wbuf = np.empty(16, np.uint32)
-    wf = wbuf.view(np.float32)
-    abuf = np.empty(16 * n * nv, np.uint32)
+    nb = mem_t.shape[3]
+    if nb != _BANKS:  # a device of another bank count: set by set through the per-bank path
+        for v in range(nv):
+            _mac_bf16(mem_t, gbs[v], accs[v], c0, c1, 0, nb, s, k, col, n)
+        return
+    wbuf = np.zeros(_LANES * _BANKS, np.uint32)
+    w = wbuf.view(np.float32)
+    abuf = np.empty((nv, _LANES * n), np.uint32)
     af = abuf.view(np.float32)
-    xs = np.empty(nv, np.float32)
-    nanbuf = np.empty(1, np.uint32)
-    nanbuf[0] = 0x7FC00000
-    cnan = nanbuf.view(np.float32)[0]
-    e0 = col * 16
+    xs = np.empty((nv, _BANKS), np.float32)
+    e0 = col * _LANES
     for c in range(c0, c1):
         for v in range(nv):
-            for i in range(16 * n):
-                abuf[i * nv + v] = np.uint32(gbs[v, c, e0 + i]) << 16
-        for b in range(nb):
+            for i in range(_LANES * n):
+                abuf[v, i] = np.uint32(gbs[v, c, e0 + i]) << 16
+            for b in range(_BANKS):
+                xs[v, b] = accs[v, c, b, k]
+        row = mem_t[c, max(s, 0)].ravel()
+        for j in range(n):
+            if s >= 0:
+                o = (e0 + j * _LANES) * _BANKS
+                wu = row[o : o + _LANES * _BANKS]
+                for t in range(_LANES * _BANKS):
+                    wbuf[t] = np.uint32(wu[t]) << 16
             for v in range(nv):
-                xs[v] = accs[v, c, b, k]
-            for j in range(n):
-                o = e0 + j * 16
-                if s >= 0:
-                    for i in range(16):
-                        wbuf[i] = np.uint32(mem[c, b, s, o + i]) << 16
-                else:
-                    for i in range(16):
-                        wbuf[i] = 0
-                w0, w1, w2, w3, w4, w5, w6, w7 = wf[0], wf[1], wf[2], wf[3], wf[4], wf[5], wf[6], wf[7]
-                w8, w9, w10, w11, w12, w13, w14, w15 = wf[8], wf[9], wf[10], wf[11], wf[12], wf[13], wf[14], wf[15]
-                q = j * 16 * nv
-                for v in range(nv):
-                    r = q + v
-                    p0 = w0 * af[r]
-                    p1 = w1 * af[r + nv]
-                    p2 = w2 * af[r + 2 * nv]
-                    p3 = w3 * af[r + 3 * nv]
-                    p4 = w4 * af[r + 4 * nv]
-                    p5 = w5 * af[r + 5 * nv]
-                    p6 = w6 * af[r + 6 * nv]
-                    p7 = w7 * af[r + 7 * nv]
-                    p8 = w8 * af[r + 8 * nv]
-                    p9 = w9 * af[r + 9 * nv]
-                    p10 = w10 * af[r + 10 * nv]
-                    p11 = w11 * af[r + 11 * nv]
-                    p12 = w12 * af[r + 12 * nv]
-                    p13 = w13 * af[r + 13 * nv]
-                    p14 = w14 * af[r + 14 * nv]
-                    p15 = w15 * af[r + 15 * nv]
-                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
-                    xs[v] = xs[v] + d
-            for v in range(nv):
+                a = af[v, j * _LANES : j * _LANES + _LANES]
                 x = xs[v]
-                if x != x:
-                    x = cnan
-                accs[v, c, b, k] = x
+                a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+                a8, a9, a10, a11, a12, a13, a14, a15 = a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]
+                for b in range(_BANKS):
+                    p0 = w[b] * a0
+                    p1 = w[16 + b] * a1
+                    p2 = w[32 + b] * a2
+                    p3 = w[48 + b] * a3
+                    p4 = w[64 + b] * a4
+                    p5 = w[80 + b] * a5
+                    p6 = w[96 + b] * a6
+                    p7 = w[112 + b] * a7
+                    p8 = w[128 + b] * a8
+                    p9 = w[144 + b] * a9
+                    p10 = w[160 + b] * a10
+                    p11 = w[176 + b] * a11
+                    p12 = w[192 + b] * a12
+                    p13 = w[208 + b] * a13
+                    p14 = w[224 + b] * a14
+                    p15 = w[240 + b] * a15
+                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                    x[b] = x[b] + d
+        for v in range(nv):
+            for b in range(_BANKS):
+                accs[v, c, b, k] = _canonical(xs[v, b])
 
 
 mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
+
+
+# columns of the GEMV-run table (FastPimState._gemv_table)
+G_CODE, G_C0, G_C1, G_B0, G_B1, G_ROW, G_K, G_COL, G_N, G_SET, G_PAY, G_OUT = range(12)
+G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC = 0, 1, 2, 3
+
+
+def _gemv_run_py(mem_t, row_slot, gbs, accs, tab, bits, values, out):  # pragma: no cover - compiled by numba
+    """Execute a run of checked GEMV instructions in order, with ``PimState.step``'s semantics for each.
+
+    Args:
+        mem_t: uint16 [channels, slots, cols, banks] bank state; row_slot: int64 [rows] row -> slot (-1: unwritten).
+        gbs: uint16 [sets, channels, gb_elems]; accs: float32 [sets, channels, banks, accumulators] (updated in place).
+        tab: int64 [m, 12], one row per instruction (columns ``G_*``): code (``G_WR_GB``, ``G_WR_ACC``,
+            ``G_MAC``, ``G_RD_ACC``), channel range, bank range (MAC), row, accumulator k, col, n, set
+            (GB / accumulator set), payload offset, readback offset.
+        bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks (fp32, unrounded).
+    """
+    nb = accs.shape[2]
+    for r in range(tab.shape[0]):
+        code = tab[r, G_CODE]
+        c0 = tab[r, G_C0]
+        c1 = tab[r, G_C1]
+        col = tab[r, G_COL]
+        n = tab[r, G_N]
+        if code == G_MAC:
+            _mac_bf16(mem_t, gbs[0], accs[0], c0, c1, tab[r, G_B0], tab[r, G_B1], row_slot[tab[r, G_ROW]], tab[r, G_K], col, n)
+        elif code == G_WR_GB:
+            st = tab[r, G_SET]
+            e0 = col * _LANES
+            po = tab[r, G_PAY]
+            for c in range(c0, c1):
+                for i in range(n * _LANES):
+                    gbs[st, c, e0 + i] = bits[po + i]
+        elif code == G_WR_ACC:  # ACC_set[c0:c1, :, k].flat[col : col+n] = payload
+            st = tab[r, G_SET]
+            k = tab[r, G_K]
+            po = tab[r, G_PAY]
+            for t in range(n):
+                q = col + t
+                accs[st, c0 + q // nb, q % nb, k] = values[po + t]
+        else:  # G_RD_ACC
+            st = tab[r, G_SET]
+            k = tab[r, G_K]
+            oo = tab[r, G_OUT]
+            for t in range(n):
+                q = col + t
+                out[oo + t] = accs[st, c0 + q // nb, q % nb, k]
+
+
+gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None

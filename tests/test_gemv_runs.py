@@ -1,0 +1,168 @@
+"""GEMV runs (``nhil.runtime.bind_runs.GemvRun`` -> ``kernels.gemv_run``) equal their instructions one by one.
+
+Three references: ``Runner._resolve`` for the binding (field for field, payload bit for bit), the
+per-instruction reference path ``SimTarget(reference=True)`` for execution (logits, counters and SYNC
+digests), and ``PimState.step`` for the error a bad instruction inside a run raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nhil.errors import RunError
+from nhil.isa import DEVICE_PRESETS
+from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, Instr, Op
+from nhil.numerics.bf16 import f32_to_bf16_bits
+from nhil.runtime.bind_runs import GemvRun
+from nhil.runtime.executor import Runner
+from nhil.targets.base import ReadbackDigest, ResolvedGemvRun, ResolvedInstr
+from nhil.targets.sim import SimTarget, kernels
+from nhil.targets.sim.device import PimState
+from nhil.targets.sim.fast import FastPimState
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed: GEMV runs need its compiled kernel")
+
+DEV = DEVICE_PRESETS["rtl-tiny"]
+
+
+@pytest.fixture(scope="module")
+def prog():
+    from nhil.compiler import export_decode, raise_graph
+    from nhil.compiler.lower import lower_decode_graph
+    from nhil.models import get_model
+
+    import torch
+
+    torch.manual_seed(0)
+    gm = raise_graph(export_decode(get_model("llama-tiny").model, 16)[0], "decode").gm
+    return lower_decode_graph(gm, DEVICE_PRESETS["aim-like"], model_name="llama-tiny")
+
+
+def _gemv_runs(r):
+    return [it for kind, seg in r.segments if kind == "dev" for it in r._segment_plan(seg)[0] if isinstance(it, GemvRun)]
+
+
+def test_gemv_run_binding_equals_per_instruction_binding(prog):
+    t = SimTarget()
+    t.open()
+    r = Runner(prog, t)
+    rng = np.random.default_rng(5)
+    for name, buf in r.bufs.items():
+        buf[:] = rng.integers(0, 1 << 16, buf.size) if name in r.raw else rng.standard_normal(buf.size)
+    runs = _gemv_runs(r)
+    ops = {Op(int(o)) for run in runs for o in run.fields[:, 0]}
+    assert {Op.WR_GB, Op.WR_ACC, Op.MAC_AB, Op.RD_ACC} <= ops  # every kind took part (the comparison is not vacuous)
+    bits: dict = {}
+    for run in runs:
+        got = run.bind(3, lambda b: r._bits(b, bits), r.bufs).instrs()
+        want = [r._resolve(int(i), 3, {}) for i in run.index]
+        for g, w in zip(got, want, strict=True):
+            assert g.index == w.index and g.instr == w.instr, (g, w)
+            if w.payload is None:
+                assert g.payload is None
+            else:
+                assert g.payload.dtype == w.payload.dtype and np.array_equal(g.payload.view(np.uint8), w.payload.view(np.uint8)), g.index
+
+
+def _steps(prog, target, n=5):
+    r = Runner(prog, target)
+    r.reset()
+    out = [r.step((pos * 37 + 3) % 200, pos)["logits"].copy() for pos in range(n)]
+    return np.stack(out), target.stats(), target.trace()
+
+
+def test_a_wrong_gemv_run_kernel_changes_the_logits(prog, monkeypatch):
+    """The fast path's GEMV runs carry the model's MACs: a kernel that drops the last burst of one MAC per run is seen."""
+    good, stats, _ = _steps(prog, SimTarget())
+    ref, ref_stats, _ = _steps(prog, SimTarget(reference=True))
+    assert np.array_equal(good.view(np.uint32), ref.view(np.uint32)) and stats == ref_stats
+    real = kernels.gemv_run
+    used = []
+
+    def mutant(mem_t, row_slot, gbs, accs, tab, bits, values, out):
+        tab = tab.copy()
+        mac = np.flatnonzero((tab[:, kernels.G_CODE] == kernels.G_MAC) & (tab[:, kernels.G_N] > 1))
+        if mac.size:
+            tab[mac[0], kernels.G_N] -= 1
+        used.append(mac.size)
+        real(mem_t, row_slot, gbs, accs, tab, bits, values, out)
+
+    monkeypatch.setattr(kernels, "gemv_run", mutant)
+    bad, _, _ = _steps(prog, SimTarget())
+    assert used and any(used)
+    assert not np.array_equal(bad.view(np.uint32), good.view(np.uint32))
+
+
+def _loaded(ref):
+    from nhil.compiler.builder import ProgramBuilder
+
+    t = SimTarget(device=DEV, reference=ref)
+    t.load(ProgramBuilder(DEV).finish({"inputs": {}, "outputs": {}}, {}))
+    return t
+
+
+def _run(items):
+    """A ResolvedGemvRun of ``(Instr, payload)`` items (indices from 1)."""
+    fields = np.array([tuple(int(x) for x in ins) for ins, _ in items], np.int64)
+    offset, bits, values = np.zeros(len(items), np.int64), [], []
+    nb = nv = 0
+    for j, (ins, p) in enumerate(items):
+        if ins.op is Op.WR_GB:
+            offset[j] = nb
+            bits.append(p)
+            nb += p.size
+        elif ins.op is Op.WR_ACC:
+            offset[j] = nv
+            values.append(p)
+            nv += p.size
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+    return ResolvedGemvRun(np.arange(1, len(items) + 1), fields, offset, cat(bits, np.uint16), cat(values, np.float32), object(), DEV.lanes)
+
+
+def _gemv_items(rng):
+    L = DEV.lanes
+    w = [(Instr(Op.WR_ABK, 0, row=r, col=0, n=8), f32_to_bf16_bits(rng.standard_normal(8 * L).astype(np.float32))) for r in (2, 3)]
+    gemv = [
+        (Instr(Op.WR_GB, 0, col=0, n=8), f32_to_bf16_bits(rng.standard_normal(8 * L).astype(np.float32))),
+        (Instr(Op.WR_ACC, 0, k=1, col=0, n=16), rng.standard_normal(16).astype(np.float32)),
+        (Instr(Op.MAC_AB, 0, row=2, k=1, col=0, n=8), None),
+        (Instr(Op.MAC_SB, 0, bank=5, row=3, k=1, col=2, n=3), None),
+        (Instr(Op.MAC_AB, 0, row=9, k=2, col=1, n=2), None),  # a row never written reads as zero
+        (Instr(Op.RD_ACC, 0, k=1, col=0, n=16), None),
+        (Instr(Op.RD_ACC, 0, k=2, col=3, n=5), None),
+        (Instr(Op.WR_ACC, 0, k=3, col=2, n=9), rng.standard_normal(9).astype(np.float32)),  # read back as written
+        (Instr(Op.RD_ACC, 0, k=3, col=0, n=16), None),
+    ]
+    return w, gemv
+
+
+@pytest.mark.parametrize("bf16_readback", [False, True])
+def test_a_gemv_run_equals_its_instructions_on_the_reference(bf16_readback):
+    """WR_GB, WR_ACC, all-bank and single-bank MACs (one on an unwritten row), RD_ACC in fp32 and bf16 format."""
+    rng = np.random.default_rng(11)
+    w, gemv = _gemv_items(rng)
+    cfr = [ResolvedInstr(0, Instr(Op.SET_CFR, 0, k=CFR_ACC_RD_FMT, imm=int(bf16_readback)), None)]
+    got, want = _loaded(False), _loaded(True)
+    for t in (got, want):
+        t.execute([ResolvedInstr(0, ins, p) for ins, p in w] + cfr)
+    a = got.execute([_run(gemv)])
+    b = want.execute([ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv)])
+    assert len(a) == len(b) == 3
+    assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+    if bf16_readback:
+        assert all((x.view(np.uint32) & 0xFFFF == 0).all() for x in a)
+    assert got.stats() == want.stats() and got.trace() == want.trace()
+    assert np.array_equal(got.state.accs, want.state.accs) and np.array_equal(got.state.gbs, want.state.gbs)
+
+
+def test_a_bad_instruction_in_a_gemv_run_raises_the_reference_error():
+    _, gemv = _gemv_items(np.random.default_rng(2))
+    gemv[3] = (Instr(Op.MAC_SB, ALL_CH, bank=DEV.banks, row=3, n=1), None)
+    with pytest.raises(RunError) as fast:
+        FastPimState(DEV).run_block([_run(gemv)], ReadbackDigest())
+    ref = PimState(DEV)
+    with pytest.raises(RunError) as want:
+        for i, (ins, p) in enumerate(gemv):
+            ref.step(i + 1, ins, p)
+    assert str(fast.value) == str(want.value) and "instruction 4 (MAC_SB)" in str(want.value)
