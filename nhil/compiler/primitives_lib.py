@@ -31,9 +31,13 @@ def define(schemas: dict[str, str]) -> tuple[str, ...]:
     return tuple(schemas)
 
 
+REFERENCE: dict = {}  # op name -> its reference kernel (the function torch.ops.nhil.<name> dispatches to)
+
+
 def _impl(name):
     def deco(fn):
         torch.library.impl(f"nhil::{name}", "CompositeExplicitAutograd", lib=LIB)(fn)
+        REFERENCE[name] = fn
         return fn
 
     return deco

@@ -81,10 +81,24 @@ def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, dtype=np.float32))
 
 
-def _ops():
-    import nhil.compiler.primitives  # noqa: F401  (registers torch.ops.nhil)
+class _Reference:
+    """``torch.ops.nhil`` without the dispatcher: each attribute is the op's reference kernel itself (the function
+    ``torch.ops.nhil.<name>`` dispatches to on CPU tensors, so the same bits), saving the dispatch per host call."""
 
-    return torch.ops.nhil
+    def __getattr__(self, name):
+        import nhil.compiler.primitives  # noqa: F401  (registers every op and its reference kernel)
+        from nhil.compiler.primitives_lib import REFERENCE
+
+        fn = REFERENCE.get(name) or getattr(torch.ops.nhil, name)
+        setattr(self, name, fn)
+        return fn
+
+
+_REFERENCE = _Reference()
+
+
+def _ops():
+    return _REFERENCE
 
 
 @kernel("embedding", 2, 1)

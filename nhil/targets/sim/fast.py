@@ -22,6 +22,7 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
   ``ResolvedInstr`` or as one ``ResolvedRun`` (bound as arrays by ``nhil.runtime.bind_runs``).
 * **WR_GB, WR_ACC, RD_ACC** are executed here without the per-instruction bounds table once their
   word has passed it (cached), with ``PimState.step``'s semantics (set selection, bf16 readback).
+* **SYNC** cuts the readback digest here once its word has passed the table (cached).
 * Everything else (and quantized MACs, whose decoded rows ``PimState`` already caches per
   (row, format)) is ``PimState.step``.
 """
@@ -82,6 +83,11 @@ class FastPimState(PimState):
                         digest.add(r)
                     i += 1
                     continue
+            if op is Op.SYNC and self._checked(ins) is not None:
+                self.counts["SYNC"] = self.counts.get("SYNC", 0) + 1
+                digest.sync(idx)
+                i += 1
+                continue
             if op is Op.WR_SBK:
                 j = i + 1
                 while j < n and block[j][1].op is Op.WR_SBK:
