@@ -80,13 +80,13 @@ def test_a_wrong_gemv_run_kernel_changes_the_logits(prog, monkeypatch):
     real = kernels.gemv_run
     used = []
 
-    def mutant(mem_t, row_slot, gbs, accs, tab, bits, values, out):
+    def mutant(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):
         tab = tab.copy()
         mac = np.flatnonzero((tab[:, kernels.G_CODE] == kernels.G_MAC) & (tab[:, kernels.G_N] > 1))
         if mac.size:
             tab[mac[0], kernels.G_N] -= 1
         used.append(mac.size)
-        real(mem_t, row_slot, gbs, accs, tab, bits, values, out)
+        real(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out)
 
     monkeypatch.setattr(kernels, "gemv_run", mutant)
     bad, _, _ = _steps(prog, SimTarget())
@@ -120,6 +120,12 @@ def _run(items):
     return ResolvedGemvRun(np.arange(1, len(items) + 1), fields, offset, cat(bits, np.uint16), cat(values, np.float32), object(), DEV.lanes)
 
 
+# NaN, ±inf, fp32 max (rounds to bf16 inf), ties to even down (0x3F808000) and up (0x3F818000), -0, the smallest
+# subnormal, a payload NaN with the sign set (canonical 0x7FC0 in bf16)
+SPECIAL = np.array([0x7FC00001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x80000000, 0x00000001, 0xFFC12345],
+                   np.uint32).view(np.float32)
+
+
 def _gemv_items(rng):
     L = DEV.lanes
     w = [(Instr(Op.WR_ABK, 0, row=r, col=0, n=8), f32_to_bf16_bits(rng.standard_normal(8 * L).astype(np.float32))) for r in (2, 3)]
@@ -131,7 +137,7 @@ def _gemv_items(rng):
         (Instr(Op.MAC_AB, 0, row=9, k=2, col=1, n=2), None),  # a row never written reads as zero
         (Instr(Op.RD_ACC, 0, k=1, col=0, n=16), None),
         (Instr(Op.RD_ACC, 0, k=2, col=3, n=5), None),
-        (Instr(Op.WR_ACC, 0, k=3, col=2, n=9), rng.standard_normal(9).astype(np.float32)),  # read back as written
+        (Instr(Op.WR_ACC, 0, k=3, col=2, n=9), SPECIAL),  # read back as written (bf16: RNE ties, overflow, NaN)
         (Instr(Op.RD_ACC, 0, k=3, col=0, n=16), None),
     ]
     return w, gemv
@@ -153,7 +159,7 @@ def test_a_gemv_run_equals_its_instructions_on_the_reference(bf16_readback):
     if bf16_readback:
         assert all((x.view(np.uint32) & 0xFFFF == 0).all() for x in a)
     assert got.stats() == want.stats() and got.trace() == want.trace()
-    assert np.array_equal(got.state.accs, want.state.accs) and np.array_equal(got.state.gbs, want.state.gbs)
+    assert np.array_equal(got.state.accs.view(np.uint32), want.state.accs.view(np.uint32)) and np.array_equal(got.state.gbs, want.state.gbs)
 
 
 def test_a_bad_instruction_in_a_gemv_run_raises_the_reference_error():

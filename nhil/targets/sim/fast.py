@@ -187,8 +187,8 @@ class FastPimState(PimState):
         return True
 
     def _gemv_run(self, run: ResolvedGemvRun, digest) -> list[np.ndarray]:
-        """A :class:`ResolvedGemvRun` in one kernel call; its readbacks (fp32 or bf16-rounded per CFR, views of one
-        array) are fed to ``digest`` end to end. Falls back to :meth:`run_block` on its instructions (which gives the
+        """A :class:`ResolvedGemvRun` in one kernel call; its readbacks (fp32, or bf16-rounded where CFR reg 0 says so;
+        views of one array) are fed to ``digest`` end to end. Falls back to :meth:`run_block` on its instructions (which gives the
         named error of a bad one) when the run fails a check or the weight format of a channel is not bf16."""
         if kernels.mac_bf16 is not kernels._mac_bf16:  # mac_bf16 replaced (a test's mutant): honour it, per instruction
             return self.run_block(run.instrs(), digest)
@@ -197,18 +197,12 @@ class FastPimState(PimState):
             plan = self._gemv[run.plan] = self._gemv_table(run)
         if plan is None:
             return self.run_block(run.instrs(), digest)
-        tab, total, spans, rd_c0, rd_n, has_mac, counts, macs = plan
+        tab, total, spans, has_mac, counts, macs = plan
         if has_mac and self.cfr[:, CFR_W_FMT].any():  # quantized rows: PimState's decoded-row path
             return self.run_block(run.instrs(), digest)
         res = np.empty(total, np.float32)
-        kernels.gemv_run(self.mem_t, self.row_slot, self.gbs, self.accs, tab, run.bits, run.values, res)
+        kernels.gemv_run(self.mem_t, self.row_slot, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res)
         if spans:
-            bf = self.cfr[rd_c0, CFR_ACC_RD_FMT] == 1  # CFR reg 0 = 1: RD_ACC returns bf16 (RNE) of the accumulators
-            if bf.all():
-                res = round_to_bf16(res)
-            elif bf.any():
-                m = np.repeat(bf, rd_n)
-                res[m] = round_to_bf16(res[m])
             digest.add_many(res, len(spans))
         for name, c in counts:
             self.counts[name] = self.counts.get(name, 0) + c
@@ -223,7 +217,7 @@ class FastPimState(PimState):
             return None
         m = run.fields.shape[0]
         tab = np.zeros((m, 12), np.int64)
-        rd_off, rd_n, rd_c0, counts, macs, at = [], [], [], {}, 0, 0
+        rd_off, rd_n, counts, macs, at = [], [], {}, 0, 0
         code = {Op.WR_GB: kernels.G_WR_GB, Op.WR_ACC: kernels.G_WR_ACC, Op.MAC_AB: kernels.G_MAC, Op.MAC_SB: kernels.G_MAC, Op.RD_ACC: kernels.G_RD_ACC}
         for r, (f, po) in enumerate(zip(run.fields.tolist(), run.offset.tolist())):
             ins = Instr(Op(f[0]), *f[1:])
@@ -243,12 +237,11 @@ class FastPimState(PimState):
             if ins.op is Op.RD_ACC:
                 rd_off.append(at)
                 rd_n.append(ins.n)
-                rd_c0.append(c0)
                 at += ins.n
             counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
         has_mac = bool((tab[:, 0] == kernels.G_MAC).any())
         spans = [(o, o + n) for o, n in zip(rd_off, rd_n)]
-        return tab, at, spans, np.array(rd_c0, np.int64), np.array(rd_n, np.int64), has_mac, tuple(counts.items()), macs
+        return tab, at, spans, has_mac, tuple(counts.items()), macs
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:
         """WR_SBK ``block[i:j]`` (ResolvedInstr) as one scatter (:meth:`_scatter_sbk`); False when it cannot be."""
@@ -261,27 +254,33 @@ class FastPimState(PimState):
 
     def _scatter_sbk(self, f: np.ndarray, pay: np.ndarray) -> bool:
         """WR_SBK of every row of ``f`` (int64 ``[m, 10]``, Instr fields after op) with ``pay`` (uint16 ``[m, lanes]``)
-        as one scatter into the bank state; False (nothing done) unless every one is single-channel, in bounds, without
-        position flags, and no two write the same element (then ``step`` runs them one by one for the named error)."""
+        as one scatter into the bank state; False (no element written) unless every one is single-channel, in bounds,
+        without position flags, and no two write the same element (then ``step`` runs them one by one, for the named
+        error or the last-write-wins order; rows it allocated first are the rows ``step`` allocates, in the same order)."""
         d = self.d
         L = d.lanes
         flags, ch, bank, row, col, k, imm = f[:, 0], f[:, 1], f[:, 2], f[:, 3], f[:, 4], f[:, 7], f[:, 8]
         if ((flags != 0).any() or k.any() or (ch >= d.channels).any() or (bank >= d.banks).any() or (row >= d.rows).any()
                 or ((col + 1) * L > d.cols).any() or (f[:, 9] != 0).any() or pay.shape != (f.shape[0], L) or pay.dtype != np.uint16):
             return False
-        mask = ((imm[:, None] >> np.arange(L)) & 1).astype(bool)  # [m, L]
-        tt, lane = np.nonzero(mask)
-        key = ((ch[tt] * d.banks + bank[tt]) * d.rows + row[tt]) * d.cols + col[tt] * L + lane
-        if np.unique(key).size != key.size:
-            return False
-        rows, first, inv = np.unique(row, return_index=True, return_inverse=True)
-        row_slots = np.empty(rows.size, np.int64)
-        for u in np.argsort(first, kind="stable"):  # allocate in instruction order, as step would
-            row_slots[u] = self.slot(int(rows[u]), allocate=True)
-        for s in row_slots:
-            self.drop_decoded(int(s))
-        slots = row_slots[inv.reshape(-1)]
-        self.mem[ch[tt], bank[tt], slots[tt], col[tt] * L + lane] = pay[tt, lane]
+        slots = self.row_slot[row]
+        if (slots < 0).any():  # rows written for the first time: allocate in instruction order, as step would
+            for r in dict.fromkeys(row[slots < 0].tolist()):
+                self.slot(r, allocate=True)
+            slots = self.row_slot[row]
+        if self._qcache:
+            for s in np.unique(slots).tolist():
+                self.drop_decoded(s)
+        if self._kernels:
+            if not kernels.scatter_sbk(self.mem_t, slots, ch, bank, col, imm, pay):
+                return False  # two writes to one element: step runs them in order (the last wins)
+        else:
+            mask = ((imm[:, None] >> np.arange(L)) & 1).astype(bool)  # [m, L]
+            tt, lane = np.nonzero(mask)
+            key = ((ch[tt] * d.banks + bank[tt]) * self.mem_t.shape[1] + slots[tt]) * d.cols + col[tt] * L + lane
+            if np.unique(key).size != key.size:
+                return False
+            self.mem[ch[tt], bank[tt], slots[tt], col[tt] * L + lane] = pay[tt, lane]
         self.counts["WR_SBK"] = self.counts.get("WR_SBK", 0) + int(f.shape[0])
         return True
 

@@ -213,18 +213,22 @@ G_CODE, G_C0, G_C1, G_B0, G_B1, G_ROW, G_K, G_COL, G_N, G_SET, G_PAY, G_OUT = ra
 G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC = 0, 1, 2, 3
 
 
-def _gemv_run_py(mem_t, row_slot, gbs, accs, tab, bits, values, out):  # pragma: no cover - compiled by numba
+def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pragma: no cover - compiled by numba
     """Execute a run of checked GEMV instructions in order, with ``PimState.step``'s semantics for each.
 
     Args:
         mem_t: uint16 [channels, slots, cols, banks] bank state; row_slot: int64 [rows] row -> slot (-1: unwritten).
         gbs: uint16 [sets, channels, gb_elems]; accs: float32 [sets, channels, banks, accumulators] (updated in place).
+        cfr: int64 [channels, regs]; RD_ACC returns bf16 (RNE, canonical NaN) of the accumulators, as fp32, where
+            register 0 of its first channel is 1 (``nhil.numerics.bf16.round_to_bf16``), else fp32.
         tab: int64 [m, 12], one row per instruction (columns ``G_*``): code (``G_WR_GB``, ``G_WR_ACC``,
             ``G_MAC``, ``G_RD_ACC``), channel range, bank range (MAC), row, accumulator k, col, n, set
             (GB / accumulator set), payload offset, readback offset.
-        bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks (fp32, unrounded).
+        bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks.
     """
     nb = accs.shape[2]
+    one = np.empty(1, np.float32)
+    one_u = one.view(np.uint32)
     for r in range(tab.shape[0]):
         code = tab[r, G_CODE]
         c0 = tab[r, G_C0]
@@ -251,9 +255,52 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, tab, bits, values, out):  # pragma:
             st = tab[r, G_SET]
             k = tab[r, G_K]
             oo = tab[r, G_OUT]
+            bf = cfr[c0, 0] == 1
             for t in range(n):
                 q = col + t
-                out[oo + t] = accs[st, c0 + q // nb, q % nb, k]
+                y = accs[st, c0 + q // nb, q % nb, k]
+                if bf:
+                    if y != y:
+                        one_u[0] = np.uint32(0x7FC00000)
+                    else:
+                        one[0] = y
+                        u = one_u[0]
+                        one_u[0] = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
+                    y = one[0]
+                out[oo + t] = y
 
 
 gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None
+
+
+def _scatter_sbk_py(mem_t, slots, ch, bank, col, imm, pay):  # pragma: no cover - compiled by numba
+    """WR_SBK of ``m`` single-channel bursts: ``mem_t[ch, slot, col*16 + lane, bank] = pay[t, lane]`` for every lane
+    set in ``imm[t]``; returns False, having written nothing, when two of them write the same element.
+
+    Args:
+        mem_t: uint16 [channels, slots, cols, banks]; slots, ch, bank, col, imm: int64 [m] (row slot, channel, bank,
+            burst, lane mask); pay: uint16 [m, 16].
+    """
+    m = ch.size
+    nb = mem_t.shape[3]
+    ns = mem_t.shape[1]
+    cols = mem_t.shape[2]
+    keys = np.empty(m * _LANES, np.int64)
+    n = 0
+    for t in range(m):
+        for ln in range(_LANES):
+            if (imm[t] >> ln) & 1:
+                keys[n] = ((ch[t] * nb + bank[t]) * ns + slots[t]) * cols + col[t] * _LANES + ln
+                n += 1
+    ks = np.sort(keys[:n])
+    for i in range(1, n):
+        if ks[i] == ks[i - 1]:
+            return False
+    for t in range(m):
+        for ln in range(_LANES):
+            if (imm[t] >> ln) & 1:
+                mem_t[ch[t], slots[t], col[t] * _LANES + ln, bank[t]] = pay[t, ln]
+    return True
+
+
+scatter_sbk = njit(cache=True, nogil=True)(_scatter_sbk_py) if AVAILABLE else None
