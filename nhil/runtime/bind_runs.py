@@ -10,8 +10,8 @@ rules of ``docs/isa.md`` "Position-relative instructions" (the same rules
 :class:`nhil.targets.base.ResolvedRun`.
 
 :class:`GemvRun` holds a maximal run of consecutive GEMV instructions without position flags
-(``WR_GB`` of an activation slice, ``WR_ACC`` of partial sums, ``MAC_AB``/``MAC_SB``, ``RD_ACC``: the
-other third); its fields never change, so binding only gathers the payloads from the block's host
+(``WR_GB`` of an activation slice, ``WR_ACC`` of partial sums, ``MAC_AB``/``MAC_SB``/``MAC_ABV``,
+``RD_ACC``: the other third); its fields never change, so binding only gathers the payloads from the block's host
 buffers, giving a :class:`nhil.targets.base.ResolvedGemvRun` that a target runs in one call.
 
 ``tests/test_prefill.py`` / ``tests/test_kv_fp8.py`` / ``tests/test_bind_runs.py`` check that a bound run
@@ -129,7 +129,7 @@ class KvRun:
 
 
 
-GEMV_OPS = frozenset({Op.WR_GB, Op.WR_ACC, Op.MAC_AB, Op.MAC_SB, Op.RD_ACC})
+GEMV_OPS = frozenset({Op.WR_GB, Op.WR_ACC, Op.MAC_AB, Op.MAC_SB, Op.MAC_ABV, Op.RD_ACC})
 
 
 def is_gemv_member(program, ins) -> bool:

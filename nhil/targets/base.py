@@ -16,7 +16,7 @@ returns, in order, one array per data-out instruction (``RD_ACC``: float32 [n];
 A target whose ``takes_runs`` is True also accepts two kinds of run items in a block, each of which it
 must execute exactly as the ``ResolvedInstr`` list its ``instrs()`` gives: :class:`ResolvedRun`, a run of
 bound ``WR_SBK`` (KV-cache appends) as arrays, and :class:`ResolvedGemvRun`, a run of GEMV instructions
-(``WR_GB``, ``WR_ACC``, ``MAC_AB``/``MAC_SB``, ``RD_ACC`` without position flags) as arrays, whose
+(``WR_GB``, ``WR_ACC``, ``MAC_AB``/``MAC_SB``/``MAC_ABV``, ``RD_ACC`` without position flags) as arrays, whose
 readbacks it returns in order like any others.
 """
 
@@ -64,7 +64,7 @@ class ResolvedRun(NamedTuple):
 
 
 class ResolvedGemvRun(NamedTuple):
-    """Consecutive bound GEMV instructions (``WR_GB``, ``WR_ACC``, ``MAC_AB``, ``MAC_SB``, ``RD_ACC``; no position
+    """Consecutive bound GEMV instructions (``WR_GB``, ``WR_ACC``, ``MAC_AB``, ``MAC_SB``, ``MAC_ABV``, ``RD_ACC``; no position
     flags) as arrays, for targets with ``takes_runs`` (bound by ``nhil.runtime.bind_runs.GemvRun``).
 
     Attributes:

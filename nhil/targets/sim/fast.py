@@ -29,6 +29,8 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
@@ -39,13 +41,15 @@ from nhil.targets.sim import kernels
 from nhil.targets.sim.device import PimState
 
 
+_GEMV_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GemvRun plan -> {device: table or None}
+
+
 class FastPimState(PimState):
     """``PimState`` plus :meth:`run_block` (see the module docstring)."""
 
     def __init__(self, device, reserve_rows: int = 8) -> None:
         super().__init__(device, reserve_rows)
         self._mac_ok: dict = {}  # instruction word -> (c0, c1, b0, b1) once its bounds passed
-        self._gemv: dict = {}  # GemvRun plan -> its kernel table (or None: run it instruction by instruction)
         self._kernels = kernels.AVAILABLE and device.lanes == 16  # the compiled kernels assume 16 lanes per burst
 
     def run_block(self, block, digest) -> list[np.ndarray]:
@@ -190,11 +194,13 @@ class FastPimState(PimState):
         """A :class:`ResolvedGemvRun` in one kernel call; its readbacks (fp32, or bf16-rounded where CFR reg 0 says so;
         views of one array) are fed to ``digest`` end to end. Falls back to :meth:`run_block` on its instructions (which gives the
         named error of a bad one) when the run fails a check or the weight format of a channel is not bf16."""
-        if kernels.mac_bf16 is not kernels._mac_bf16:  # mac_bf16 replaced (a test's mutant): honour it, per instruction
+        if kernels.mac_bf16 is not kernels._mac_bf16 or kernels.mac_bf16_vec is not kernels._mac_bf16_vec:
+            # a MAC kernel replaced (a test's mutant): honour it, instruction by instruction
             return self.run_block(run.instrs(), digest)
-        plan = self._gemv.get(run.plan, False)
+        tables = _GEMV_TABLES.setdefault(run.plan, {})  # per binding plan and device: survives reset and reload
+        plan = tables.get(self.d, False)
         if plan is False:
-            plan = self._gemv[run.plan] = self._gemv_table(run)
+            plan = tables[self.d] = self._gemv_table(run)
         if plan is None:
             return self.run_block(run.instrs(), digest)
         tab, total, spans, has_mac, counts, macs = plan
@@ -218,7 +224,8 @@ class FastPimState(PimState):
         m = run.fields.shape[0]
         tab = np.zeros((m, 12), np.int64)
         rd_off, rd_n, counts, macs, at = [], [], {}, 0, 0
-        code = {Op.WR_GB: kernels.G_WR_GB, Op.WR_ACC: kernels.G_WR_ACC, Op.MAC_AB: kernels.G_MAC, Op.MAC_SB: kernels.G_MAC, Op.RD_ACC: kernels.G_RD_ACC}
+        code = {Op.WR_GB: kernels.G_WR_GB, Op.WR_ACC: kernels.G_WR_ACC, Op.MAC_AB: kernels.G_MAC, Op.MAC_SB: kernels.G_MAC,
+                Op.RD_ACC: kernels.G_RD_ACC, Op.MAC_ABV: kernels.G_MAC_V}
         for r, (f, po) in enumerate(zip(run.fields.tolist(), run.offset.tolist())):
             ins = Instr(Op(f[0]), *f[1:])
             if check_instr(ins, d) or ins.op not in code:
@@ -227,19 +234,20 @@ class FastPimState(PimState):
             b0, b1 = 0, d.banks
             if ins.op is Op.MAC_SB:
                 b0, b1 = ins.bank, ins.bank + 1
-            if ins.op in (Op.MAC_AB, Op.MAC_SB):
+            if ins.op in (Op.MAC_AB, Op.MAC_SB, Op.MAC_ABV):  # bf16 rows: W_FMT is checked at run time
                 if ins.n == 0 or ins.row >= d.rows:
                     return None
-                macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes
+                macs += (c1 - c0) * (b1 - b0) * ins.n * d.lanes * (ins.imm if ins.op is Op.MAC_ABV else 1)
             elif ins.op in (Op.WR_ACC, Op.RD_ACC) and ins.col + ins.n > (c1 - c0) * d.banks:
                 return None
-            tab[r] = (code[ins.op], c0, c1, b0, b1, ins.row, ins.k, ins.col, ins.n, ins.bank, po, at)
+            st = ins.imm if ins.op is Op.MAC_ABV else ins.bank
+            tab[r] = (code[ins.op], c0, c1, b0, b1, ins.row, ins.k, ins.col, ins.n, st, po, at)
             if ins.op is Op.RD_ACC:
                 rd_off.append(at)
                 rd_n.append(ins.n)
                 at += ins.n
             counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
-        has_mac = bool((tab[:, 0] == kernels.G_MAC).any())
+        has_mac = bool(np.isin(tab[:, 0], (kernels.G_MAC, kernels.G_MAC_V)).any())
         spans = [(o, o + n) for o, n in zip(rd_off, rd_n)]
         return tab, at, spans, has_mac, tuple(counts.items()), macs
 

@@ -206,11 +206,12 @@ def _mac_bf16_vec_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no 
 
 
 mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
+_mac_bf16_vec = mac_bf16_vec  # the compiled kernel gemv_run calls (a test may replace the module's mac_bf16_vec)
 
 
 # columns of the GEMV-run table (FastPimState._gemv_table)
 G_CODE, G_C0, G_C1, G_B0, G_B1, G_ROW, G_K, G_COL, G_N, G_SET, G_PAY, G_OUT = range(12)
-G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC = 0, 1, 2, 3
+G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC, G_MAC_V = 0, 1, 2, 3, 4  # G_MAC_V: MAC_ABV, vectors in G_SET
 
 
 def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pragma: no cover - compiled by numba
@@ -222,7 +223,7 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pr
         cfr: int64 [channels, regs]; RD_ACC returns bf16 (RNE, canonical NaN) of the accumulators, as fp32, where
             register 0 of its first channel is 1 (``nhil.numerics.bf16.round_to_bf16``), else fp32.
         tab: int64 [m, 12], one row per instruction (columns ``G_*``): code (``G_WR_GB``, ``G_WR_ACC``,
-            ``G_MAC``, ``G_RD_ACC``), channel range, bank range (MAC), row, accumulator k, col, n, set
+            ``G_MAC``, ``G_RD_ACC``, ``G_MAC_V`` with the vector count in the set column), channel range, bank range (MAC), row, accumulator k, col, n, set
             (GB / accumulator set), payload offset, readback offset.
         bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks.
     """
@@ -237,6 +238,8 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pr
         n = tab[r, G_N]
         if code == G_MAC:
             _mac_bf16(mem_t, gbs[0], accs[0], c0, c1, tab[r, G_B0], tab[r, G_B1], row_slot[tab[r, G_ROW]], tab[r, G_K], col, n)
+        elif code == G_MAC_V:
+            _mac_bf16_vec(mem_t, gbs, accs, c0, c1, row_slot[tab[r, G_ROW]], tab[r, G_K], col, n, tab[r, G_SET])
         elif code == G_WR_GB:
             st = tab[r, G_SET]
             e0 = col * _LANES
