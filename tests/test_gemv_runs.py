@@ -102,6 +102,10 @@ def _loaded(ref):
     return t
 
 
+class _Plan:
+    """Stands for the binding plan a ResolvedGemvRun comes from (the target caches its checks per plan)."""
+
+
 def _run(items):
     """A ResolvedGemvRun of ``(Instr, payload)`` items (indices from 1)."""
     fields = np.array([tuple(int(x) for x in ins) for ins, _ in items], np.int64)
@@ -117,7 +121,7 @@ def _run(items):
             values.append(p)
             nv += p.size
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
-    return ResolvedGemvRun(np.arange(1, len(items) + 1), fields, offset, cat(bits, np.uint16), cat(values, np.float32), object(), DEV.lanes)
+    return ResolvedGemvRun(np.arange(1, len(items) + 1), fields, offset, cat(bits, np.uint16), cat(values, np.float32), _Plan(), DEV.lanes)
 
 
 # NaN, ±inf, fp32 max (rounds to bf16 inf), ties to even down (0x3F808000) and up (0x3F818000), -0, the smallest

@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 
 try:  # numba is a core dependency (pyproject); a missing one only costs speed
-    from numba import njit
+    from numba import njit, prange
 except ImportError:  # pragma: no cover - exercised only without numba
-    njit = None
+    njit = prange = None
 
 AVAILABLE = njit is not None
 
@@ -209,6 +209,17 @@ mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else 
 _mac_bf16_vec = mac_bf16_vec  # the compiled kernel gemv_run calls (a test may replace the module's mac_bf16_vec)
 
 
+def _mac_bf16_vec_channels_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
+    """:func:`_mac_bf16_vec_py` with the channels shared among numba's threads (``prange``): a multi-vector MAC
+    reuses every weight burst ``nv`` times, so it is compute-bound and scales with cores. Channels are
+    independent (each thread writes only its channels' accumulators), so the result is the same bits."""
+    for c in prange(c0, c1):
+        _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, s, k, col, n, nv)
+
+
+mac_bf16_vec_channels = njit(cache=True, nogil=True, parallel=True)(_mac_bf16_vec_channels_py) if AVAILABLE else None
+
+
 # columns of the GEMV-run table (FastPimState._gemv_table)
 G_CODE, G_C0, G_C1, G_B0, G_B1, G_ROW, G_K, G_COL, G_N, G_SET, G_PAY, G_OUT = range(12)
 G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC, G_MAC_V = 0, 1, 2, 3, 4  # G_MAC_V: MAC_ABV, vectors in G_SET
@@ -239,7 +250,7 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pr
         if code == G_MAC:
             _mac_bf16(mem_t, gbs[0], accs[0], c0, c1, tab[r, G_B0], tab[r, G_B1], row_slot[tab[r, G_ROW]], tab[r, G_K], col, n)
         elif code == G_MAC_V:
-            _mac_bf16_vec(mem_t, gbs, accs, c0, c1, row_slot[tab[r, G_ROW]], tab[r, G_K], col, n, tab[r, G_SET])
+            mac_bf16_vec_channels(mem_t, gbs, accs, c0, c1, row_slot[tab[r, G_ROW]], tab[r, G_K], col, n, tab[r, G_SET])
         elif code == G_WR_GB:
             st = tab[r, G_SET]
             e0 = col * _LANES
