@@ -36,7 +36,7 @@ import numpy as np
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
 from nhil.isa.semantics import check_instr
 from nhil.numerics.bf16 import round_to_bf16
-from nhil.targets.base import ResolvedGemvRun, ResolvedRun
+from nhil.targets.base import ResolvedGemvRun, ResolvedInstr, ResolvedRun
 from nhil.targets.sim import kernels
 from nhil.targets.sim.device import PimState
 
@@ -94,7 +94,7 @@ class FastPimState(PimState):
                 continue
             if op is Op.WR_SBK:
                 j = i + 1
-                while j < n and block[j][1].op is Op.WR_SBK:
+                while j < n and block[j].__class__ is ResolvedInstr and block[j][1].op is Op.WR_SBK:
                     j += 1
                 if j - i > 1 and self._wr_sbk_run(block, i, j):
                     i = j
