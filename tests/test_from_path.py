@@ -256,3 +256,41 @@ def test_uncapturable_model_verifies_as_load_fail(tmp_path, monkeypatch):
     monkeypatch.setitem(registry._REGISTRY, "llama-seq", (lambda: b, "test"))
     rep = _verify("llama-seq", tmp_path)
     assert rep["outcome"] == "LOAD_FAIL" and rep["stage"] == "golden" and "ModuleList" in rep["error"]
+
+
+def test_gguf_parsed_once_loads_the_same_model_from_one_parse(tmp_path, tiny):
+    """``nhil.models.gguf_once.parsed_once`` (used by the SmolLM2 loader): the same weights and config as a plain
+    transformers load, from one GGUFReader instead of one per consumer; the patch is gone afterwards."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    from nhil.models.gguf_once import parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, tiny)
+    made = []
+    real = gguf.GGUFReader
+
+    class Counting(real):
+        def __init__(self, *a, **k):
+            made.append(a[0])
+            super().__init__(*a, **k)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32, local_files_only=True)
+
+    gguf.GGUFReader = Counting
+    try:
+        plain = load()
+        n_plain = len(made)
+        made.clear()
+        with parsed_once():
+            once = load()
+        n_once = len(made)
+    finally:
+        gguf.GGUFReader = real
+    assert n_plain >= 2 and n_once == 1, (n_plain, n_once)
+    assert gguf.GGUFReader is real and not hasattr(gguf.get_tensor_name_map, "cache_info")
+    a, b = plain.state_dict(), once.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert plain.config.to_dict() == once.config.to_dict()

@@ -63,8 +63,11 @@ def build_llama() -> ModelBundle:
         raise SetupError(f"loading a GGUF needs transformers, gguf and accelerate: pip install transformers gguf accelerate ({e})") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder, name = str(path.parent), path.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    from nhil.models.gguf_once import parsed_once
+
+    with parsed_once():  # one parse of the file for config, weights and tokenizer
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model.eval()
     return ModelBundle(
         name="llama",
