@@ -284,5 +284,5 @@ class PimState:
         for img in images:
             s = self.slot(img.row, allocate=True)
             self.drop_decoded(s)
-            if img.data is not None:
-                self.mem[:, :, s, :] = img.data
+            if img.data is not None:  # written in storage order (bank-minor): the destination's pages in sequence
+                self.mem_t[:, s] = np.asarray(img.data).transpose(0, 2, 1)
