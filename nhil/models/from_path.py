@@ -183,8 +183,11 @@ def _load_gguf(path: Path, layers: int | None) -> ModelBundle:
     except ImportError as e:
         raise SetupError(f"loading {path} needs the gguf package: pip install gguf ({e})") from None
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                           local_files_only=True, output_loading_info=True)
+        from nhil.models.gguf_once import parsed_once
+
+        with parsed_once():  # config and weights from one parse of the file
+            model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                               local_files_only=True, output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - the GGUF reader raises ValueError/KeyError/struct errors
         msg = str(e)[:300]
         fix = "check that the file is a complete GGUF written by llama.cpp or gguf-py"

@@ -11,12 +11,13 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
   fails its checks goes to ``PimState.step``, which raises the named error.
 * **MAC_ABV** (prefill extension, bf16 rows) runs in ``kernels.mac_bf16_vec``: each weight burst read once for
   every vector.
-* **GEMV runs** (``ResolvedGemvRun``: consecutive WR_GB / WR_ACC / MAC_AB / MAC_SB / RD_ACC without
-  position flags, bound as arrays by ``nhil.runtime.bind_runs``) run in one call of ``kernels.gemv_run``:
+* **GEMV runs** (``ResolvedGemvRun``: consecutive WR_GB / WR_ACC / MAC_AB / MAC_SB / MAC_ABV / RD_ACC
+  without position flags, bound as arrays by ``nhil.runtime.bind_runs``) run in one call of ``kernels.gemv_run``:
   each instruction is checked against the device-semantics table once per run (cached on its binding
   plan), then executed in order with ``step``'s semantics; a run that fails a check, or meets rows in a
   quantized format (CFR W_FMT != 0), runs instruction by instruction as below (so does every run while
-  ``kernels.mac_bf16`` is replaced, as a test's mutant replaces it: ``gemv_run`` calls the compiled one).
+  ``kernels.mac_bf16`` or ``mac_bf16_vec`` is replaced, as a test's mutant replaces it: ``gemv_run`` calls the
+  compiled ones).
 * **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
   distinct locations become one scatter into the bank state, whether they arrive as
   ``ResolvedInstr`` or as one ``ResolvedRun`` (bound as arrays by ``nhil.runtime.bind_runs``).
