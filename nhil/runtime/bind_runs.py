@@ -30,6 +30,11 @@ from nhil.targets.base import ResolvedGemvRun, ResolvedRun
 _FLAGS, _CH, _BANK, _ROW, _COL, _K, _IMM, _TOK = 1, 2, 3, 4, 5, 8, 9, 10
 
 
+def _starts(buffers: list[str], sizes: dict[str, int]) -> dict[str, int]:
+    """Where each of ``buffers`` starts in their concatenation (what ``bind`` gathers payloads from)."""
+    return dict(zip(buffers, np.cumsum([0] + [sizes[b] for b in buffers[:-1]]).tolist()))
+
+
 def is_run_member(ins) -> bool:
     """True for a ``WR_SBK`` with a position flag (a KV-cache append template)."""
     return ins.op is Op.WR_SBK and bool(ins.flags & (FLAG_POS_SLOT | FLAG_POS_COL))
@@ -64,7 +69,7 @@ class KvRun:
         self.base[:, _TOK] = 0
         ops = [program.operands[x.operand] for x in ins]
         self.buffers = list(dict.fromkeys(o.buffer for o in ops))
-        start = dict(zip(self.buffers, np.cumsum([0] + [sizes[b] for b in self.buffers[:-1]]).tolist()))
+        start = _starts(self.buffers, sizes)
         src = np.array([start[o.buffer] + o.offset for o in ops], np.int64)  # into the buffers' bits, concatenated
         cnt = np.array([o.count for o in ops], np.int64)
         self.lane_src = src[self.li]
@@ -150,7 +155,7 @@ class GemvRun:
 
     Args:
         program: the Program; index: instruction indices.
-        raw: names of raw-word buffers (their ``WR_GB`` payload is the words, not bf16 of the values).
+        raw: unused (the signature of :class:`KvRun`; ``bits_of`` already gives a raw buffer's words).
         sizes: element count of every host buffer (``program.buffers``).
     """
 
@@ -165,7 +170,7 @@ class GemvRun:
         acc = [(j, x, program.operands[x.operand]) for j, x in enumerate(ins) if x.op is Op.WR_ACC]
         self.gb_buffers = list(dict.fromkeys(o.buffer for _, _, o in gb))
         self.acc_buffers = list(dict.fromkeys(o.buffer for _, _, o in acc))
-        start = dict(zip(self.gb_buffers, np.cumsum([0] + [sizes[b] for b in self.gb_buffers[:-1]]).tolist()))
+        start = _starts(self.gb_buffers, sizes)
         src, take, at = [], [], 0
         for j, x, o in gb:  # payload: the operand's elements from lane 0 of the first burst, zero-padded to n bursts
             n = x.n * L
@@ -177,7 +182,7 @@ class GemvRun:
         self.gb_src = np.concatenate(src) if src else np.zeros(0, np.int64)
         self.gb_take = np.concatenate(take) if take else np.zeros(0, bool)
         self.gb_full = bool(self.gb_take.all())
-        start = dict(zip(self.acc_buffers, np.cumsum([0] + [sizes[b] for b in self.acc_buffers[:-1]]).tolist()))
+        start = _starts(self.acc_buffers, sizes)
         src, at = [], 0
         for j, x, o in acc:
             self.offset[j] = at

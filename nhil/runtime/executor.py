@@ -147,11 +147,11 @@ class Runner:
         ``(buffer, offset, count, is RD_SBK)`` per data-out instruction, in order."""
         items: list = []
         run: list[int] = []
-        kind: list = [None]  # the class of the run being collected
+        kind = None  # the class of the run being collected
 
         def flush():
             if len(run) > 1:
-                items.append(kind[0](self.p, run, self.raw, self._sizes))
+                items.append(kind(self.p, run, self.raw, self._sizes))
             else:
                 items.extend(run)
             run.clear()
@@ -168,9 +168,9 @@ class Runner:
                 else:
                     k = None
                 if k is not None:
-                    if kind[0] is not k:
+                    if kind is not k:
                         flush()
-                        kind[0] = k
+                        kind = k
                     run.append(i)
                     continue
             flush()
