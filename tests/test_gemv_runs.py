@@ -80,13 +80,13 @@ def test_a_wrong_gemv_run_kernel_changes_the_logits(prog, monkeypatch):
     real = kernels.gemv_run
     used = []
 
-    def mutant(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):
+    def mutant(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):
         tab = tab.copy()
         mac = np.flatnonzero((tab[:, kernels.G_CODE] == kernels.G_MAC) & (tab[:, kernels.G_N] > 1))
         if mac.size:
             tab[mac[0], kernels.G_N] -= 1
         used.append(mac.size)
-        real(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out)
+        real(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi)
 
     monkeypatch.setattr(kernels, "gemv_run", mutant)
     bad, _, _ = _steps(prog, SimTarget())
@@ -94,11 +94,11 @@ def test_a_wrong_gemv_run_kernel_changes_the_logits(prog, monkeypatch):
     assert not np.array_equal(bad.view(np.uint32), good.view(np.uint32))
 
 
-def _loaded(ref):
+def _loaded(ref, dev=DEV):
     from nhil.compiler.builder import ProgramBuilder
 
-    t = SimTarget(device=DEV, reference=ref)
-    t.load(ProgramBuilder(DEV).finish({"inputs": {}, "outputs": {}}, {}))
+    t = SimTarget(device=dev, reference=ref)
+    t.load(ProgramBuilder(dev).finish({"inputs": {}, "outputs": {}}, {}))
     return t
 
 
@@ -164,6 +164,55 @@ def test_a_gemv_run_equals_its_instructions_on_the_reference(bf16_readback):
         assert all((x.view(np.uint32) & 0xFFFF == 0).all() for x in a)
     assert got.stats() == want.stats() and got.trace() == want.trace()
     assert np.array_equal(got.state.accs.view(np.uint32), want.state.accs.view(np.uint32)) and np.array_equal(got.state.gbs, want.state.gbs)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_gemv_run_across_channels_equals_its_instructions_on_the_reference(threads, monkeypatch):
+    """Threads each run a span of channels through the whole run: all-channel WR_GB (two vector sets), WR_ACC and
+    RD_ACC spans that start and end inside a channel, MAC_AB / MAC_ABV over every channel and a single-channel
+    MAC_SB, against the per-instruction reference, with 1, 2 and 3 kernel threads (``NHIL_SIM_THREADS``)."""
+    import dataclasses
+
+    monkeypatch.setenv("NHIL_SIM_THREADS", str(threads))
+
+    dev = dataclasses.replace(DEV, channels=5, vectors=2)
+    rng = np.random.default_rng(5)
+    L, nb, nch = dev.lanes, dev.banks, dev.channels
+    rnd = lambda n: rng.standard_normal(n).astype(np.float32)  # noqa: E731
+    w = [(Instr(Op.WR_ABK, ALL_CH, row=r, col=0, n=8), f32_to_bf16_bits(rnd(8 * L))) for r in (2, 3)]
+    gemv = [
+        (Instr(Op.WR_GB, ALL_CH, col=0, n=8), f32_to_bf16_bits(rnd(8 * L))),
+        (Instr(Op.WR_GB, ALL_CH, bank=1, col=0, n=8), f32_to_bf16_bits(rnd(8 * L))),
+        (Instr(Op.WR_ACC, ALL_CH, k=1, col=13, n=2 * nb + 7), rnd(2 * nb + 7)),  # channels 0..3, partly
+        (Instr(Op.MAC_AB, ALL_CH, row=2, k=1, col=1, n=6), None),
+        (Instr(Op.MAC_SB, 3, bank=7, row=3, k=1, col=0, n=4), None),
+        (Instr(Op.MAC_ABV, ALL_CH, row=3, k=2, col=2, n=5, imm=2), None),
+        (Instr(Op.RD_ACC, ALL_CH, k=1, col=5, n=nch * nb - 9), None),
+        (Instr(Op.RD_ACC, ALL_CH, bank=1, k=2, col=0, n=nch * nb), None),
+        (Instr(Op.RD_ACC, 2, k=1, col=3, n=nb - 3), None),
+    ]
+    got, want = _loaded(False, dev), _loaded(True, dev)
+    for t in (got, want):
+        t.execute([ResolvedInstr(0, ins, p) for ins, p in w])
+    a = got.execute([_run(gemv)])
+    b = want.execute([ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv)])
+    assert len(a) == len(b) == 3
+    assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
+    assert got.stats() == want.stats()
+    assert np.array_equal(got.state.accs.view(np.uint32), want.state.accs.view(np.uint32)) and np.array_equal(got.state.gbs, want.state.gbs)
+
+
+def test_a_bad_thread_count_is_a_setup_error_naming_the_variable(monkeypatch):
+    from nhil.errors import SetupError
+
+    monkeypatch.setenv("NHIL_SIM_THREADS", "two")
+    with pytest.raises(SetupError, match="NHIL_SIM_THREADS='two'"):
+        _loaded(False)  # the simulator state reads it when the program is loaded
+    monkeypatch.setenv("NHIL_SIM_THREADS", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert kernels.threads() == 3  # nhil's own variable wins over the scheduler's budget
+    monkeypatch.delenv("NHIL_SIM_THREADS")
+    assert kernels.threads() == 1
 
 
 def test_a_bad_instruction_in_a_gemv_run_raises_the_reference_error():

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits, f32_to_bf16_bits_np
 from nhil.numerics.mac import burst_dot16, mac_bursts, reference_gemv
 
 EDGE = np.array(
@@ -44,6 +44,23 @@ def test_bf16_ties_to_even_hand_cases():
 def test_bf16_nan_is_canonical():
     nans = np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], dtype=np.uint32).view(np.float32)
     assert (f32_to_bf16_bits(nans) == 0x7FC0).all()
+
+
+def test_bf16_compiled_rounding_equals_the_numpy_expression_and_torch():
+    """Every bf16 upper half with the lower halves at and around the rounding tie (0x7FFF/0x8000/0x8001), the
+    extremes, NaN payloads of both signs, random patterns; in a 2-D and a strided (non-contiguous) array."""
+    hi = np.arange(2**16, dtype=np.uint32) << 16
+    lo = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
+    rnd = np.random.default_rng(3).integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([(hi[:, None] | lo[None, :]).ravel(), rnd]).view(np.float32)
+    got = f32_to_bf16_bits(x)
+    np.testing.assert_array_equal(got, f32_to_bf16_bits_np(x))
+    finite = ~np.isnan(x)
+    np.testing.assert_array_equal(got[finite], torch.from_numpy(x[finite]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    assert (got[~finite] == 0x7FC0).all()
+    m = x[: 6 * 4096].reshape(4096, 6)
+    np.testing.assert_array_equal(f32_to_bf16_bits(m), f32_to_bf16_bits_np(m))
+    np.testing.assert_array_equal(f32_to_bf16_bits(m[:, ::2]), f32_to_bf16_bits_np(m)[:, ::2])
 
 
 def test_bf16_widen_is_exact():

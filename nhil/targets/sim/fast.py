@@ -30,7 +30,9 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
 
 from __future__ import annotations
 
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -43,6 +45,32 @@ from nhil.targets.sim.device import PimState
 
 
 _GEMV_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GemvRun plan -> {device: table or None}
+_POOL: ThreadPoolExecutor | None = None  # the kernel threads beyond the caller's, shared by every state of the process
+_POOL_LOCK = threading.Lock()
+
+
+def _spans_at_once(kernel, args: tuple, channels: int, threads: int) -> None:
+    """``kernel(*args, c_lo, c_hi)`` over ``[0, channels)`` split into ``threads`` contiguous spans, run at once: the
+    caller runs the first span, a shared pool the others (the kernel releases the GIL). Returns when all are done;
+    the first exception of a span is raised after every span has finished."""
+    global _POOL
+    n = max(1, min(threads, channels))
+    if n == 1:
+        kernel(*args, 0, channels)
+        return
+    if _POOL is None or _POOL._max_workers < n - 1:
+        with _POOL_LOCK:
+            if _POOL is None or _POOL._max_workers < n - 1:
+                _POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="nhil-sim-kernel")
+    cut = [channels * i // n for i in range(n + 1)]
+    rest = [_POOL.submit(kernel, *args, cut[i], cut[i + 1]) for i in range(1, n)]
+    try:
+        kernel(*args, cut[0], cut[1])
+    finally:
+        for f in rest:
+            f.exception()  # wait for every span before anything else touches the state
+    for f in rest:
+        f.result()
 
 
 class FastPimState(PimState):
@@ -52,6 +80,7 @@ class FastPimState(PimState):
         super().__init__(device, reserve_rows)
         self._mac_ok: dict = {}  # instruction word -> (c0, c1, b0, b1) once its bounds passed
         self._kernels = kernels.AVAILABLE and device.lanes == 16  # the compiled kernels assume 16 lanes per burst
+        self.kernel_threads = kernels.threads() if self._kernels else 1  # GEMV runs: channel spans run at once (kernels.threads)
 
     def run_block(self, block, digest) -> list[np.ndarray]:
         """Execute ``block`` (``ResolvedInstr`` list) in order; readbacks are returned and fed to ``digest``.
@@ -208,7 +237,8 @@ class FastPimState(PimState):
         if has_mac and self.cfr[:, CFR_W_FMT].any():  # quantized rows: PimState's decoded-row path
             return self.run_block(run.instrs(), digest)
         res = np.empty(total, np.float32)
-        kernels.gemv_run(self.mem_t, self.row_slot, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res)
+        _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res),
+                       self.d.channels, self.kernel_threads)
         if spans:
             digest.add_many(res, len(spans))
         for name, c in counts:

@@ -20,6 +20,11 @@ banks changes no operation of any one bank, so the result is bit-identical to
 ``nhil.numerics.mac.mac_bursts`` (``tests/test_sim_fast.py`` checks it on random data, special values
 and whole models).
 
+:func:`gemv_run` executes a whole run of GEMV instructions (``WR_GB``/``WR_ACC``/MACs/``RD_ACC``) in one call,
+a span of channels per call, so that threads can share the channels: a decode GEMV streams every bank row once,
+so it is bound by memory bandwidth, which one core does not saturate (SmolLM2 decode step, 2 cores: 96 -> 61 ms
+of MAC time with two threads).
+
 ``AVAILABLE`` is False when numba is missing; the fast path then runs these MACs through the reference
 numpy code (``PimState.step``).
 """
@@ -29,9 +34,9 @@ from __future__ import annotations
 import numpy as np
 
 try:  # numba is a core dependency (pyproject); a missing one only costs speed
-    from numba import njit, prange
+    from numba import njit
 except ImportError:  # pragma: no cover - exercised only without numba
-    njit = prange = None
+    njit = None
 
 AVAILABLE = njit is not None
 
@@ -209,15 +214,33 @@ mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else 
 _mac_bf16_vec = mac_bf16_vec  # the compiled kernel gemv_run calls (a test may replace the module's mac_bf16_vec)
 
 
-def _mac_bf16_vec_channels_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
-    """:func:`_mac_bf16_vec_py` with the channels shared among numba's threads (``prange``): a multi-vector MAC
-    reuses every weight burst ``nv`` times, so it is compute-bound and scales with cores. Channels are
-    independent (each thread writes only its channels' accumulators), so the result is the same bits."""
-    for c in prange(c0, c1):
-        _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, s, k, col, n, nv)
+def threads() -> int:
+    """Threads :func:`gemv_run` shares the channels among: ``NHIL_SIM_THREADS`` if set, else ``OMP_NUM_THREADS``
+    if set (the per-process budget a scheduler gives, e.g. Ray's workers or ``nhil landscape``'s rows), else 1 inside
+    a pytest-xdist worker (its siblings hold the other cores), else one per core.
 
+    The count changes only the speed: every channel's arithmetic is the same on any thread. (The threads are
+    Python threads that block while they wait: numba's OpenMP ``prange`` threads spin instead, and on a 2-core
+    machine with any other load that made a SmolLM2 decode step 1.2 s instead of 0.21 s.)
 
-mac_bf16_vec_channels = njit(cache=True, nogil=True, parallel=True)(_mac_bf16_vec_channels_py) if AVAILABLE else None
+    Raises:
+        SetupError: ``NHIL_SIM_THREADS`` is not a positive integer.
+    """
+    import os
+
+    from nhil.errors import SetupError
+
+    for var in ("NHIL_SIM_THREADS", "OMP_NUM_THREADS"):
+        v = os.environ.get(var, "").strip()
+        if v:
+            if not v.isdigit() or int(v) < 1:
+                if var == "OMP_NUM_THREADS":
+                    continue
+                raise SetupError(f"NHIL_SIM_THREADS={v!r}: give a positive integer (the simulator's kernel threads), or unset it")
+            return int(v)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return 1
+    return os.cpu_count() or 1
 
 
 # columns of the GEMV-run table (FastPimState._gemv_table)
@@ -225,8 +248,65 @@ G_CODE, G_C0, G_C1, G_B0, G_B1, G_ROW, G_K, G_COL, G_N, G_SET, G_PAY, G_OUT = ra
 G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC, G_MAC_V = 0, 1, 2, 3, 4  # G_MAC_V: MAC_ABV, vectors in G_SET
 
 
-def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pragma: no cover - compiled by numba
+def _gemv_run_channel_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c):  # pragma: no cover - compiled by numba
+    """:func:`_gemv_run_py` restricted to channel ``c``: every instruction of the run, in order, on that channel's
+    share of it only (a WR_ACC / RD_ACC's elements ``q`` with ``c0 + q // banks == c``)."""
+    nb = accs.shape[2]
+    one = np.empty(1, np.float32)
+    one_u = one.view(np.uint32)
+    for r in range(tab.shape[0]):
+        c0 = tab[r, G_C0]
+        if c < c0 or c >= tab[r, G_C1]:
+            continue
+        code = tab[r, G_CODE]
+        col = tab[r, G_COL]
+        n = tab[r, G_N]
+        if code == G_MAC:
+            _mac_bf16(mem_t, gbs[0], accs[0], c, c + 1, tab[r, G_B0], tab[r, G_B1], row_slot[tab[r, G_ROW]], tab[r, G_K], col, n)
+        elif code == G_MAC_V:
+            _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, row_slot[tab[r, G_ROW]], tab[r, G_K], col, n, tab[r, G_SET])
+        elif code == G_WR_GB:
+            st = tab[r, G_SET]
+            e0 = col * _LANES
+            po = tab[r, G_PAY]
+            for i in range(n * _LANES):
+                gbs[st, c, e0 + i] = bits[po + i]
+        else:  # WR_ACC / RD_ACC: elements t with (col + t) // nb == c - c0
+            st = tab[r, G_SET]
+            k = tab[r, G_K]
+            t0 = max(0, (c - c0) * nb - col)
+            t1 = min(n, (c - c0 + 1) * nb - col)
+            if code == G_WR_ACC:
+                po = tab[r, G_PAY]
+                for t in range(t0, t1):
+                    accs[st, c, (col + t) % nb, k] = values[po + t]
+            else:  # G_RD_ACC
+                oo = tab[r, G_OUT]
+                bf = cfr[c0, 0] == 1
+                for t in range(t0, t1):
+                    y = accs[st, c, (col + t) % nb, k]
+                    if bf:
+                        if y != y:
+                            one_u[0] = np.uint32(0x7FC00000)
+                        else:
+                            one[0] = y
+                            u = one_u[0]
+                            one_u[0] = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
+                        y = one[0]
+                    out[oo + t] = y
+
+
+_gemv_run_channel = njit(cache=True, nogil=True)(_gemv_run_channel_py) if AVAILABLE else None
+
+
+def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):  # pragma: no cover - compiled by numba
     """Execute a run of checked GEMV instructions in order, with ``PimState.step``'s semantics for each.
+
+    Only channels ``[c_lo, c_hi)`` are run, each through the whole run (:func:`_gemv_run_channel_py`): every
+    instruction touches only per-channel state (a channel's bank rows, global buffer and accumulators; a readback's
+    elements of that channel), so threads that each run a span of channels, each channel in program order, give
+    the same bits as one instruction after another over all channels (``tests/test_gemv_runs.py``). The GIL is
+    released (``nogil``), so Python threads run spans at once (``FastPimState._gemv_run``).
 
     Args:
         mem_t: uint16 [channels, slots, cols, banks] bank state; row_slot: int64 [rows] row -> slot (-1: unwritten).
@@ -237,51 +317,10 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out):  # pr
             ``G_MAC``, ``G_RD_ACC``, ``G_MAC_V`` with the vector count in the set column), channel range, bank range (MAC), row, accumulator k, col, n, set
             (GB / accumulator set), payload offset, readback offset.
         bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks.
+        c_lo, c_hi: the channels to run.
     """
-    nb = accs.shape[2]
-    one = np.empty(1, np.float32)
-    one_u = one.view(np.uint32)
-    for r in range(tab.shape[0]):
-        code = tab[r, G_CODE]
-        c0 = tab[r, G_C0]
-        c1 = tab[r, G_C1]
-        col = tab[r, G_COL]
-        n = tab[r, G_N]
-        if code == G_MAC:
-            _mac_bf16(mem_t, gbs[0], accs[0], c0, c1, tab[r, G_B0], tab[r, G_B1], row_slot[tab[r, G_ROW]], tab[r, G_K], col, n)
-        elif code == G_MAC_V:
-            mac_bf16_vec_channels(mem_t, gbs, accs, c0, c1, row_slot[tab[r, G_ROW]], tab[r, G_K], col, n, tab[r, G_SET])
-        elif code == G_WR_GB:
-            st = tab[r, G_SET]
-            e0 = col * _LANES
-            po = tab[r, G_PAY]
-            for c in range(c0, c1):
-                for i in range(n * _LANES):
-                    gbs[st, c, e0 + i] = bits[po + i]
-        elif code == G_WR_ACC:  # ACC_set[c0:c1, :, k].flat[col : col+n] = payload
-            st = tab[r, G_SET]
-            k = tab[r, G_K]
-            po = tab[r, G_PAY]
-            for t in range(n):
-                q = col + t
-                accs[st, c0 + q // nb, q % nb, k] = values[po + t]
-        else:  # G_RD_ACC
-            st = tab[r, G_SET]
-            k = tab[r, G_K]
-            oo = tab[r, G_OUT]
-            bf = cfr[c0, 0] == 1
-            for t in range(n):
-                q = col + t
-                y = accs[st, c0 + q // nb, q % nb, k]
-                if bf:
-                    if y != y:
-                        one_u[0] = np.uint32(0x7FC00000)
-                    else:
-                        one[0] = y
-                        u = one_u[0]
-                        one_u[0] = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
-                    y = one[0]
-                out[oo + t] = y
+    for c in range(c_lo, c_hi):
+        _gemv_run_channel(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c)
 
 
 gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None
