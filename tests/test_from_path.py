@@ -12,11 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from nhil.errors import GoldenError, SetupError
+from gguf_files import write_gguf as _write_gguf  # tests/gguf_files.py
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 250]])
 
@@ -39,41 +39,6 @@ def hf_folder(tmp_path_factory, tiny):
     d = tmp_path_factory.mktemp("hf") / "tiny-llama"
     tiny.save_pretrained(d)
     return d
-
-
-def _write_gguf(path: Path, model) -> None:
-    """A float32 llama GGUF written with gguf-py (llama.cpp's q/k row permutation, its tensor names)."""
-    gguf = pytest.importorskip("gguf")
-    c = model.config
-
-    def permute(w, n_head):  # convert_hf_to_gguf.py LlamaModel.permute
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_vocab_size(c.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
-    for k, v in model.state_dict().items():
-        if k == "lm_head.weight":  # tied: GGUF stores token_embd only
-            continue
-        a = v.detach().numpy().astype(np.float32)
-        if k.endswith("q_proj.weight"):
-            a = permute(a, c.num_attention_heads)
-        elif k.endswith("k_proj.weight"):
-            a = permute(a, c.num_key_value_heads)
-        w.add_tensor(names.get_name(k, try_suffixes=(".weight", ".bias")), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def test_hf_folder_loads_bit_exact_and_verifies(hf_folder, tiny, tmp_path):

@@ -36,9 +36,10 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
+
+from nhil.util import log
 
 SCHEMA = 1
 MAX_BYTES = int(float(os.environ.get("NHIL_CACHE_MAX_GB", 8)) * 2**30)  # prune least recently used entries beyond this
@@ -46,9 +47,15 @@ LOCK_TIMEOUT_S = float(os.environ.get("NHIL_CACHE_LOCK_TIMEOUT", 3600))
 _SOURCE_SHA: str | None = None
 
 
+def root_dir() -> Path:
+    """The cache root shared by every nhil cache: ``$NHIL_CACHE_DIR`` (default ``~/.cache/nhil``); ``programs/``,
+    ``references/`` (:func:`cached_tensors`) and ``models/`` (:mod:`nhil.models.load_cache`) live in it."""
+    return Path(os.environ.get("NHIL_CACHE_DIR", "~/.cache/nhil")).expanduser()
+
+
 def default_dir() -> Path:
     """The program cache folder: ``$NHIL_CACHE_DIR/programs`` (default ``~/.cache/nhil/programs``)."""
-    return Path(os.environ.get("NHIL_CACHE_DIR", "~/.cache/nhil")).expanduser() / "programs"
+    return root_dir() / "programs"
 
 
 def enabled() -> bool:
@@ -85,8 +92,7 @@ def key_of(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _log(msg: str) -> None:
-    print(f"[nhil] {msg}", file=sys.stderr, flush=True)
+_log = log  # the [nhil] stderr line (nhil.util.log)
 
 
 def _refuse(path: Path, why: str, log) -> None:
@@ -185,37 +191,60 @@ def cached_compile(key_parts: dict, build_fn: Callable[[], tuple], cache_dir: Pa
 
 
 def prune(root: Path, keep: str = "", max_bytes: int | None = None, log: Callable[[str], None] = _log) -> list[str]:
-    """Delete least recently used entries (manifest mtime; a hit touches it) until the ``.pimb`` files total at most
+    """Delete least recently used programs (manifest mtime; a hit touches it) until the ``.pimb`` files total at most
     ``max_bytes`` (default ``NHIL_CACHE_MAX_GB``, 8 GiB). An entry another run holds the lock of is skipped; ``keep`` is never deleted.
 
     Returns:
         the keys deleted.
     """
-    from filelock import FileLock, Timeout
-
-    limit = MAX_BYTES if max_bytes is None else max_bytes
     entries = []
     for man in root.glob("*/*.json"):
         try:
-            entries.append((man.stat().st_mtime, man.stem, man.with_suffix(".pimb").stat().st_size if man.with_suffix(".pimb").exists() else 0, man))
+            size = man.with_suffix(".pimb").stat().st_size if man.with_suffix(".pimb").exists() else 0
+            entries.append(LruEntry(man.stat().st_mtime, man.stem, size, man.with_suffix(".pimb"), man.with_suffix(".lock"),
+                                    # manifest first: a half-deleted entry is a miss, never a corrupt hit
+                                    lambda man=man: (man.unlink(missing_ok=True), man.with_suffix(".pimb").unlink(missing_ok=True))))
         except OSError:
             continue
-    total = sum(e[2] for e in entries)
+    return prune_lru(entries, MAX_BYTES if max_bytes is None else max_bytes, keep, log, "program cache")
+
+
+class LruEntry(NamedTuple):
+    """One cache entry as :func:`prune_lru` sees it: last use (mtime), key, bytes, shown path, lock file, how to delete it."""
+
+    mtime: float
+    key: str
+    size: int
+    path: Path
+    lock: Path
+    delete: Callable[[], object]
+
+
+def prune_lru(entries: list[LruEntry], limit: int, keep: str = "", log: Callable[[str], None] = _log, what: str = "cache") -> list[str]:
+    """Delete the least recently used ``entries`` until their sizes total at most ``limit`` bytes (shared by the program
+    and the model cache). Each deletion runs under the entry's filelock taken without waiting: an entry another run
+    is reading or building is skipped; ``keep`` is never deleted.
+
+    Returns:
+        the keys deleted (each logged as ``<what>: pruned <path> (...)``).
+    """
+    from filelock import FileLock, Timeout
+
+    total = sum(e.size for e in entries)
     gone = []
-    for _, key, size, man in sorted(entries):
+    for e in sorted(entries, key=lambda e: (e.mtime, e.key)):
         if total <= limit:
             break
-        if key == keep:
+        if e.key == keep:
             continue
         try:
-            with FileLock(str(man.with_suffix(".lock")), timeout=0):
-                man.unlink(missing_ok=True)  # manifest first: a half-deleted entry is a miss, never a corrupt hit
-                man.with_suffix(".pimb").unlink(missing_ok=True)
+            with FileLock(str(e.lock), timeout=0):
+                e.delete()
         except Timeout:
             continue
-        total -= size
-        gone.append(key)
-        log(f"program cache: pruned {man.with_suffix('.pimb')} ({size:,} bytes; cache over {limit:,} bytes)")
+        total -= e.size
+        gone.append(e.key)
+        log(f"{what}: pruned {e.path} ({e.size:,} bytes; cache over {limit:,} bytes)")
     return gone
 
 
@@ -295,7 +324,7 @@ def cached_tensors(key_parts: dict, build_fn: Callable[[], tuple[dict, dict]], c
 
     from nhil.util import atomic_write_bytes, atomic_write_text
 
-    root = Path(cache_dir) if cache_dir is not None else default_dir().parent / "references"
+    root = Path(cache_dir) if cache_dir is not None else root_dir() / "references"
     key = key_of(key_parts)
     stem = root / key[:2] / key
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ Three kinds of PATH (:func:`load_model_path`):
 * a **``.gguf`` file**: loaded by transformers' GGUF reader (``gguf_file=``), which
   dequantizes to fp32 and undoes llama.cpp's q/k row permutation
   (``transformers/modeling_gguf_pytorch_utils.py``); the tokenizer comes from the same file
-  when it carries one.
+  when it carries one. A second load of the same file (by content) comes from the model
+  cache (:mod:`nhil.models.load_cache`, bit-identical; ``NHIL_CACHE=0`` disables it).
 * a bare **``config.json``**: the model is built from the config with seeded random
   weights (:mod:`nhil.models.seeding`), so bring-up starts the day a config is published.
 
@@ -45,14 +46,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 KINDS = "a registered name (`nhil models`), a Hugging Face folder (config.json + *.safetensors), a .gguf file, or a config.json"
 
 
-def _sha256_files(paths: list[Path]) -> str:
+def _sha256_files(paths: list[Path], known: dict[Path, str] | None = None) -> str:
+    """sha256 over ``name:sha256`` lines of the files (sorted); ``known``: file sha256s already computed."""
+    from nhil.util import file_sha256
+
     h = hashlib.sha256()
     for p in sorted(paths):
-        fh = hashlib.sha256()
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                fh.update(chunk)
-        h.update(f"{p.name}:{fh.hexdigest()}\n".encode())
+        h.update(f"{p.name}:{(known or {}).get(p) or file_sha256(p)}\n".encode())
     return h.hexdigest()
 
 
@@ -176,15 +176,13 @@ def _truncate_loaded(model: torch.nn.Module, layers: int, where: Path) -> None:
     setattr(parent, attr, torch.nn.ModuleList(stack.layers[:layers]))
 
 
-def _load_gguf(path: Path, layers: int | None) -> ModelBundle:
-    try:
-        import gguf  # noqa: F401
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        raise SetupError(f"loading {path} needs the gguf package: pip install gguf ({e})") from None
-    try:
-        from nhil.models.gguf_once import parsed_once
+def _load_gguf_direct(path: Path):
+    """transformers' load of the GGUF (config and weights from one parse) and its tokenizer (None if the file has none)."""
+    from transformers import AutoModelForCausalLM
 
+    from nhil.models.gguf_once import parsed_once
+
+    try:
         with parsed_once():  # config and weights from one parse of the file
             model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                                local_files_only=True, output_loading_info=True)
@@ -198,8 +196,6 @@ def _load_gguf(path: Path, layers: int | None) -> ModelBundle:
     if missing:
         raise SetupError(f"{path}: {len(missing)} weight(s) the model needs are not in the GGUF, e.g. {missing[0]}; "
                          "the file is incomplete or its metadata describes another model (nhil never fills weights with random values)")
-    if layers is not None:
-        _truncate_loaded(model, layers, path)
     model.eval()
     tok = None
     try:
@@ -208,7 +204,24 @@ def _load_gguf(path: Path, layers: int | None) -> ModelBundle:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception:  # noqa: BLE001 - a GGUF without tokenizer metadata: prompts are token ids
         tok = None
-    wid = "sha256:" + _sha256_files([path]) + (f";layers:{layers}" if layers is not None else "")
+    return model, tok
+
+
+def _load_gguf(path: Path, layers: int | None) -> ModelBundle:
+    """A GGUF through the model cache (:mod:`nhil.models.load_cache`: the whole file's model, cut to ``layers`` after)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise SetupError(f"loading {path} needs the gguf package: pip install gguf ({e})") from None
+    from nhil.models.load_cache import cached_gguf_load
+    from nhil.util import file_sha256
+
+    sha = file_sha256(path)
+    model, tok, _ = cached_gguf_load(path, sha, lambda: _load_gguf_direct(path))
+    if layers is not None:
+        _truncate_loaded(model, layers, path)
+    model.eval()
+    wid = "sha256:" + _sha256_files([path], {path: sha}) + (f";layers:{layers}" if layers is not None else "")
     return ModelBundle(name=model_label(str(path)), model=model, tokenizer=tok, weights_id=wid, source=str(path),
                        default_prompt="The capital of France is" if tok is not None else None)
 

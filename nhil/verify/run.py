@@ -4,10 +4,10 @@ rewritten after every stage so a crash or a hang still leaves one, and the prove
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 from nhil.errors import NhilError
+from nhil.util import log  # noqa: F401  (part of this module's interface: the stage lines)
 from nhil.verify.options import VerifyOptions
 
 __all__ = ["STAGE_TIMEOUTS", "StageTimeout", "Run", "log"]
@@ -35,10 +35,6 @@ class StageTimeout(NhilError):
     """A stage ran longer than its timeout (``STAGE_TIMEOUTS``)."""
 
     outcome = "TIMEOUT"
-
-
-def log(msg: str) -> None:
-    print(f"[nhil] {msg}", file=sys.stderr, flush=True)
 
 
 def _arm_timeout(stage: str, seconds: float):
