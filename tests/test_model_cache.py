@@ -291,8 +291,10 @@ def test_build_llama_and_gguf_paths_load_through_the_cache(gguf_path, tmp_path, 
     monkeypatch.setenv("NHIL_CACHE", "0")
     ref, ref_path = llama.build_llama(), load_model_path(str(gguf_path), layers=1)
     monkeypatch.setenv("NHIL_CACHE", "1")
-    for _ in range(2):
+    assert ref.load["enabled"] is False
+    for i in range(2):
         b = llama.build_llama()
+        assert b.load["enabled"] and b.load["hit"] == (i == 1)  # what verify's report.json records as model_cache
         assert (b.weights_id, b.source, b.default_prompt, b.name) == (ref.weights_id, ref.source, ref.default_prompt, ref.name)
         assert b.weights_id == "sha256:" + file_sha256(gguf_path)
         assert_same_load(ref.model, ref.tokenizer, b.model, b.tokenizer, gguf_path)

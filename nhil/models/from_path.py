@@ -217,13 +217,13 @@ def _load_gguf(path: Path, layers: int | None) -> ModelBundle:
     from nhil.util import file_sha256
 
     sha = file_sha256(path)
-    model, tok, _ = cached_gguf_load(path, sha, lambda: _load_gguf_direct(path))
+    model, tok, info = cached_gguf_load(path, sha, lambda: _load_gguf_direct(path))
     if layers is not None:
         _truncate_loaded(model, layers, path)
     model.eval()
     wid = "sha256:" + _sha256_files([path], {path: sha}) + (f";layers:{layers}" if layers is not None else "")
     return ModelBundle(name=model_label(str(path)), model=model, tokenizer=tok, weights_id=wid, source=str(path),
-                       default_prompt="The capital of France is" if tok is not None else None)
+                       default_prompt="The capital of France is" if tok is not None else None, load=info)
 
 
 def _load_config_only(path: Path, layers: int | None, seed: int) -> ModelBundle:

@@ -71,7 +71,7 @@ def build_llama() -> ModelBundle:
         return model.eval(), tok
 
     sha = file_sha256(path)
-    model, tok, _ = cached_gguf_load(path, sha, direct)
+    model, tok, info = cached_gguf_load(path, sha, direct)
     model.eval()
     return ModelBundle(
         name="llama",
@@ -80,6 +80,7 @@ def build_llama() -> ModelBundle:
         weights_id="sha256:" + sha,
         source=str(path),
         default_prompt="The capital of France is",
+        load=info,
     )
 
 

@@ -30,6 +30,8 @@ class ModelBundle:
         default_prompt: prompt text (real models) or ``None``.
         native: for a pre-quantized checkpoint, its shipped tensors
             (:class:`nhil.models.prequant.NativeWeights`, what ``QUANT=native`` keeps); else ``None``.
+        load: for a GGUF, how the model cache served the load (``nhil.models.load_cache.cached_gguf_load``'s
+            ``info``: enabled, hit, seconds, key, path, bytes); else ``None``.
     """
 
     name: str
@@ -39,6 +41,7 @@ class ModelBundle:
     source: str
     default_prompt: str | None = None
     native: object | None = None
+    load: dict | None = None
 
     def encode(self, prompt: str | None) -> list[int]:
         """Token ids of ``prompt`` (int64 ids, no batch dim).

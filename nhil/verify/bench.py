@@ -1,9 +1,10 @@
 """Bench rows of ``verify`` itself: wall time cold vs warm, and the warm run's stage breakdown (issue 17 item 3).
 
 ``verify_speed`` runs ``nhil verify`` twice as a user runs it (a fresh process each time,
-``make verify``'s command line) against an empty program cache (``NHIL_CACHE_DIR`` set
-to a temporary folder): the first run compiles and stores the program and its
-device-numerics reference, the second finds both in the cache and skips export, raise,
+``make verify``'s command line) against empty caches (``NHIL_CACHE_DIR`` set to a
+temporary folder): the first run loads the GGUF and stores the loaded model
+(``nhil.models.load_cache``), compiles and stores the program and its device-numerics
+reference; the second finds all three in the cache and skips the GGUF parse, export, raise,
 lower, encode and the reference. Wall time includes interpreter start-up and imports.
 The stage seconds come from each run's ``report.json`` ``timings``.
 """
@@ -42,7 +43,7 @@ def verify_speed(model: str = "llama", target: str = "sim") -> dict:
                 raise RuntimeError(f"bench verify ({run}) wrote no report; exit {p.returncode}; stderr: {p.stderr[-800:]}")
             rep = json.loads(reports[-1].read_text())
             out[run] = {"wall_s": wall, "outcome": rep.get("outcome"), "timings": rep.get("timings", {}),
-                        "cache_hit": bool((rep.get("program_cache") or {}).get("hit"))}
+                        "cache_hit": bool((rep.get("program_cache") or {}).get("hit")), "model_cache_hit": bool((rep.get("model_cache") or {}).get("hit"))}
     return out
 
 
@@ -56,5 +57,5 @@ def verify_rows(r: dict) -> list[tuple[str, str, str, str]]:
     return [
         ("verify llama sim, cold (empty program cache)", f"{cold['wall_s']:.1f} s", "1.00", f"{cold['outcome']}; wall time of the process"),
         ("verify llama sim, warm (second run)", f"{warm['wall_s']:.1f} s", f"{warm['wall_s'] / cold['wall_s']:.2f}",
-         f"x cold (goal <= 45 s); {warm['outcome']}; program cache hit: {warm['cache_hit']}; stages (s): {stages}"),
+         f"x cold (goal <= 45 s); {warm['outcome']}; program cache hit: {warm['cache_hit']}, model cache hit: {warm['model_cache_hit']}; stages (s): {stages}"),
     ]

@@ -113,6 +113,8 @@ def _load_model(run: Run):
     R["prompt"] = o.prompt if o.prompt is not None else (bundle.default_prompt or ",".join(map(str, prompt_ids)))
     R["prompt_ids"] = prompt_ids
     R["weights_id"] = bundle.weights_id
+    if bundle.load is not None:
+        R["model_cache"] = bundle.load
     return bundle, prompt_ids
 
 
