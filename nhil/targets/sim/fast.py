@@ -30,9 +30,9 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -45,32 +45,65 @@ from nhil.targets.sim.device import PimState
 
 
 _GEMV_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GemvRun plan -> {device: table or None}
-_POOL: ThreadPoolExecutor | None = None  # the kernel threads beyond the caller's, shared by every state of the process
-_POOL_LOCK = threading.Lock()
+THREADED_MIN_MACS = 1 << 18  # a GEMV run with fewer MACs runs on the caller's thread: a hand-off costs more than it saves
+
+
+class _KernelThreads:
+    """Persistent daemon threads that each run one span of a kernel call on request (``queue.SimpleQueue`` hand-offs:
+    a blocked thread sleeps, it does not spin). One call at a time: a second caller while one is running runs its
+    call whole on its own thread (:func:`_spans_at_once`)."""
+
+    def __init__(self, n: int) -> None:
+        self.inbox = [queue.SimpleQueue() for _ in range(n)]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy = threading.Lock()
+        for q in self.inbox:
+            threading.Thread(target=self._serve, args=(q,), name="nhil-sim-kernel", daemon=True).start()
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            kernel, args = inbox.get()
+            try:
+                kernel(*args)
+                self.done.put(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+                self.done.put(e)
+
+
+_THREADS: _KernelThreads | None = None
+_THREADS_LOCK = threading.Lock()
 
 
 def _spans_at_once(kernel, args: tuple, channels: int, threads: int) -> None:
     """``kernel(*args, c_lo, c_hi)`` over ``[0, channels)`` split into ``threads`` contiguous spans, run at once: the
-    caller runs the first span, a shared pool the others (the kernel releases the GIL). Returns when all are done;
-    the first exception of a span is raised after every span has finished."""
-    global _POOL
+    caller runs the first span, :class:`_KernelThreads` the others (the kernel releases the GIL). Returns when all are
+    done; the first exception of a span is raised after every span has finished."""
+    global _THREADS
     n = max(1, min(threads, channels))
-    if n == 1:
+    if n > 1 and (_THREADS is None or len(_THREADS.inbox) < n - 1):
+        with _THREADS_LOCK:
+            if _THREADS is None or len(_THREADS.inbox) < n - 1:
+                _THREADS = _KernelThreads(n - 1)
+    pool = _THREADS
+    if n == 1 or not pool.busy.acquire(blocking=False):
         kernel(*args, 0, channels)
         return
-    if _POOL is None or _POOL._max_workers < n - 1:
-        with _POOL_LOCK:
-            if _POOL is None or _POOL._max_workers < n - 1:
-                _POOL = ThreadPoolExecutor(n - 1, thread_name_prefix="nhil-sim-kernel")
-    cut = [channels * i // n for i in range(n + 1)]
-    rest = [_POOL.submit(kernel, *args, cut[i], cut[i + 1]) for i in range(1, n)]
     try:
-        kernel(*args, cut[0], cut[1])
+        cut = [channels * i // n for i in range(n + 1)]
+        for i in range(1, n):
+            pool.inbox[i - 1].put((kernel, (*args, cut[i], cut[i + 1])))
+        err = None
+        try:
+            kernel(*args, cut[0], cut[1])
+        except BaseException as e:  # noqa: BLE001 - raised after the other spans finished
+            err = e
+        for _ in range(1, n):
+            e = pool.done.get()  # wait for every span before anything else touches the state
+            err = err or e
+        if err is not None:
+            raise err
     finally:
-        for f in rest:
-            f.exception()  # wait for every span before anything else touches the state
-    for f in rest:
-        f.result()
+        pool.busy.release()
 
 
 class FastPimState(PimState):
@@ -238,7 +271,7 @@ class FastPimState(PimState):
             return self.run_block(run.instrs(), digest)
         res = np.empty(total, np.float32)
         _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res),
-                       self.d.channels, self.kernel_threads)
+                       self.d.channels, self.kernel_threads if macs >= THREADED_MIN_MACS else 1)
         if spans:
             digest.add_many(res, len(spans))
         for name, c in counts:
