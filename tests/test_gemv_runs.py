@@ -228,3 +228,24 @@ def test_a_bad_instruction_in_a_gemv_run_raises_the_reference_error():
         for i, (ins, p) in enumerate(gemv):
             ref.step(i + 1, ins, p)
     assert str(fast.value) == str(want.value) and "instruction 4 (MAC_SB)" in str(want.value)
+
+
+def test_kernel_spans_cover_every_channel_once_and_a_span_error_is_raised_after_all_finish():
+    from nhil.targets.sim.fast import _spans_at_once
+
+    seen = []
+
+    def kernel(tag, c_lo, c_hi):
+        seen.append((tag, c_lo, c_hi))
+        if tag == "bad" and c_lo > 0:
+            raise ValueError(f"span {c_lo}..{c_hi}")
+
+    _spans_at_once(kernel, ("ok",), 5, 3)
+    assert sorted(seen) == [("ok", 0, 1), ("ok", 1, 3), ("ok", 3, 5)]
+    seen.clear()
+    with pytest.raises(ValueError, match="span"):
+        _spans_at_once(kernel, ("bad",), 5, 2)
+    assert sorted(seen) == [("bad", 0, 2), ("bad", 2, 5)]
+    seen.clear()
+    _spans_at_once(kernel, ("again",), 4, 2)  # the threads are free again after an error
+    assert sorted(seen) == [("again", 0, 2), ("again", 2, 4)]

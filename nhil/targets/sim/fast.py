@@ -88,22 +88,22 @@ def _spans_at_once(kernel, args: tuple, channels: int, threads: int) -> None:
     if n == 1 or not pool.busy.acquire(blocking=False):
         kernel(*args, 0, channels)
         return
+    cut = [channels * i // n for i in range(n + 1)]
+    for i in range(1, n):
+        pool.inbox[i - 1].put((kernel, (*args, cut[i], cut[i + 1])))
+    err = None
     try:
-        cut = [channels * i // n for i in range(n + 1)]
-        for i in range(1, n):
-            pool.inbox[i - 1].put((kernel, (*args, cut[i], cut[i + 1])))
-        err = None
-        try:
-            kernel(*args, cut[0], cut[1])
-        except BaseException as e:  # noqa: BLE001 - raised after the other spans finished
-            err = e
-        for _ in range(1, n):
-            e = pool.done.get()  # wait for every span before anything else touches the state
-            err = err or e
-        if err is not None:
-            raise err
-    finally:
-        pool.busy.release()
+        kernel(*args, cut[0], cut[1])
+    except BaseException as e:  # noqa: BLE001 - raised after the other spans finished
+        err = e
+    for _ in range(1, n):
+        e = pool.done.get()  # wait for every span before anything else touches the state
+        err = err or e
+    # released only when every span reported: after an interrupt during the wait, a span may still be running, and
+    # the threads stay taken (later calls run on the caller's thread) rather than hand a stale report to a new call
+    pool.busy.release()
+    if err is not None:
+        raise err
 
 
 class FastPimState(PimState):
