@@ -163,6 +163,20 @@ def check_verify_args(opts) -> None:
     _check_int("REPEAT", opts.repeat, 1)
     _check_int("SEED", opts.seed, 0, MAX_SEED)
     check_prompt(opts.model, opts.prompt)
+    check_sim_threads()
+
+
+def check_sim_threads() -> None:
+    """``NHIL_SIM_THREADS``, when set, is a positive integer (``nhil.targets.sim.kernels.threads`` reads it).
+
+    Raises:
+        UsageError: it is set to anything else (names the value and the fix).
+    """
+    import os
+
+    v = os.environ.get("NHIL_SIM_THREADS", "").strip()
+    if v and (not v.isdigit() or int(v) < 1):
+        raise UsageError(f"NHIL_SIM_THREADS={v!r}: give a positive integer (the simulator's kernel threads), or unset it")
 
 
 def check_model(model) -> None:

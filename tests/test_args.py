@@ -89,6 +89,17 @@ def test_bad_arguments_are_usage_errors_before_the_model_is_built(tmp_path, no_b
     assert not (tmp_path / "runs").exists() and not (tmp_path / "g").exists()
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_a_bad_sim_thread_count_is_a_usage_error_before_the_model_is_built(tmp_path, no_build, monkeypatch, value):
+    monkeypatch.setenv("NHIL_SIM_THREADS", value)
+    with pytest.raises(UsageError, match=f"NHIL_SIM_THREADS='{value}': give a positive integer"):
+        verify(_bad(goldens_dir=tmp_path / "g", runs_dir=tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setenv("NHIL_SIM_THREADS", "1")
+    check_verify_args(_bad())
+    assert "NHIL_SIM_THREADS=1" in _bad().reproducer()  # the reproducer carries it
+
+
 def test_valid_arguments_pass_the_check(no_build):
     check_verify_args(_bad(prompt="1,2,255", quant="mxfp4:lm_head=bf16", device="aim-like", repeat=2, seed=7))
     check_verify_args(_bad(model="qwen2", target="rtl"))

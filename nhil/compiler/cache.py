@@ -289,6 +289,7 @@ def cached_verify_compile(model: str, bundle, quant: str, device, max_cache_len:
 
     t0 = time.perf_counter()
     if not enabled():
+        _log("caches off (NHIL_CACHE=0): the program, the device-numerics reference and the loaded model are built afresh, nothing is stored")
         prog, meta, blob = build_fn()
         return prog, meta, {"enabled": False, "hit": False, "bytes": len(blob), "seconds": round(time.perf_counter() - t0, 3)}
     prog, meta, info = cached_compile(verify_key_parts(model, bundle, quant, device, max_cache_len, passes), build_fn)

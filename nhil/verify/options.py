@@ -88,7 +88,7 @@ class VerifyOptions:
 
         if tuple(self.passes) != DEFAULT_PASSES:
             parts.append(f"PASSES={','.join(self.passes)}")
-        for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "FPGA_BOARD", "WAVES"):
+        for env in ("FPGA_PORT", "FPGA_BAUD", "FPGA_FAULTS", "FPGA_BOARD", "WAVES", "NHIL_SIM_THREADS"):
             if os.environ.get(env):
                 parts.append(f"{env}={shlex.quote(os.environ[env])}")
         return " ".join(parts)

@@ -48,6 +48,10 @@ def reference_outputs(run, bundle, built: dict, device, max_len: int, prompt_ids
         parts = {"kind": "device-reference", "program": cache_info["key"], "prompt_ids": list(prompt_ids), "golden_tokens": list(golden_tokens)}
         arrays, meta, info = pcache.cached_tensors(parts, build)
         run.report["reference_cache"] = info
+        if info.get("hit"):
+            from nhil.verify.run import log
+
+            log(f"reference cache: hit {info['path']}")
     else:
         arrays, meta = build()
     rules = meta.get("rules") or []
