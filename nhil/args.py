@@ -166,17 +166,27 @@ def check_verify_args(opts) -> None:
     check_sim_threads()
 
 
+def sim_threads_setting() -> int | None:
+    """``NHIL_SIM_THREADS`` as a positive integer, or None when unset (``nhil.targets.sim.kernels.threads`` then decides).
+
+    Raises:
+        ValueError: it is set to anything else (names the value and the fix).
+    """
+    from nhil.util import positive_int_env
+
+    return positive_int_env("NHIL_SIM_THREADS", "the simulator's kernel threads")
+
+
 def check_sim_threads() -> None:
     """``NHIL_SIM_THREADS``, when set, is a positive integer (``nhil.targets.sim.kernels.threads`` reads it).
 
     Raises:
         UsageError: it is set to anything else (names the value and the fix).
     """
-    import os
-
-    v = os.environ.get("NHIL_SIM_THREADS", "").strip()
-    if v and (not v.isdigit() or int(v) < 1):
-        raise UsageError(f"NHIL_SIM_THREADS={v!r}: give a positive integer (the simulator's kernel threads), or unset it")
+    try:
+        sim_threads_setting()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_model(model) -> None:

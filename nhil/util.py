@@ -92,6 +92,20 @@ def remove_dir(path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def positive_int_env(name: str, what: str) -> int | None:
+    """The environment variable ``name`` as a positive integer, or None when it is unset or empty.
+
+    Raises:
+        ValueError: it is set to anything else; the message names the variable, its value, ``what`` it sets and the fix.
+    """
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{name}={v!r}: give a positive integer ({what}), or unset it")
+    return int(v)
+
+
 def log(msg: str) -> None:
     """One ``[nhil] msg`` line on stderr (flushed): progress and cache messages of every stage."""
     print(f"[nhil] {msg}", file=sys.stderr, flush=True)

@@ -49,7 +49,7 @@ def reference_outputs(run, bundle, built: dict, device, max_len: int, prompt_ids
         arrays, meta, info = pcache.cached_tensors(parts, build)
         run.report["reference_cache"] = info
         if info.get("hit"):
-            from nhil.verify.run import log
+            from nhil.util import log
 
             log(f"reference cache: hit {info['path']}")
     else:

@@ -229,15 +229,21 @@ def threads() -> int:
     import os
 
     from nhil.errors import SetupError
+    from nhil.args import sim_threads_setting
+    from nhil.util import positive_int_env
 
-    for var in ("NHIL_SIM_THREADS", "OMP_NUM_THREADS"):
-        v = os.environ.get(var, "").strip()
-        if v:
-            if not v.isdigit() or int(v) < 1:
-                if var == "OMP_NUM_THREADS":
-                    continue
-                raise SetupError(f"NHIL_SIM_THREADS={v!r}: give a positive integer (the simulator's kernel threads), or unset it")
-            return int(v)
+    try:
+        n = sim_threads_setting()
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    if n is not None:
+        return n
+    try:
+        n = positive_int_env("OMP_NUM_THREADS", "threads per process")
+    except ValueError:
+        n = None  # another program's variable: a malformed one is not nhil's to refuse
+    if n is not None:
+        return n
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return 1
     return os.cpu_count() or 1
