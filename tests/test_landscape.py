@@ -135,7 +135,7 @@ def test_landscape_rows_end_to_end(tmp_path):
     assert all(r.get("resumed") for r in again["rows"]) and again["totals"] == s["totals"]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # ~130 s on 2 cores (~190 s on CI): a sweep; test_landscape_rows_end_to_end keeps 3 rows in the default run
 def test_landscape_default_subset(tmp_path):
     """The representative subset (17 architectures, one process each): the rows the full run measured
     as PASS still pass with every weight matrix on PIM; every other row names its cause; nothing crashes."""
