@@ -59,7 +59,8 @@ bench: $(STAMP)
 	$(NHIL) bench
 
 # nightly: every expectations.yaml row (models x targets x quants) as a pytest-xdist case, and the real
-# Llama over the emulated serial link with 1% corrupted + 1% dropped + 1% duplicated bytes
+# Llama over the emulated serial link with 1% corrupted + 1% dropped + 1% duplicated bytes, and the 17-architecture
+# landscape subset (one verify process per architecture)
 # RAY=ADDRESS (or RAY=auto): every manifest row as a Ray task on that cluster instead (nhil/cluster/ray_sweep.py)
 nightly: $(STAMP)
 ifdef RAY
