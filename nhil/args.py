@@ -166,23 +166,14 @@ def check_verify_args(opts) -> None:
     check_sim_threads()
 
 
-def sim_threads_setting() -> int | None:
-    """``NHIL_SIM_THREADS`` as a positive integer, or None when unset (``nhil.targets.sim.kernels.threads`` then decides).
-
-    Raises:
-        ValueError: it is set to anything else (names the value and the fix).
-    """
-    from nhil.util import positive_int_env
-
-    return positive_int_env("NHIL_SIM_THREADS", "the simulator's kernel threads")
-
-
 def check_sim_threads() -> None:
     """``NHIL_SIM_THREADS``, when set, is a positive integer (``nhil.targets.sim.kernels.threads`` reads it).
 
     Raises:
         UsageError: it is set to anything else (names the value and the fix).
     """
+    from nhil.util import sim_threads_setting
+
     try:
         sim_threads_setting()
     except ValueError as e:

@@ -106,6 +106,17 @@ def positive_int_env(name: str, what: str) -> int | None:
     return int(v)
 
 
+def sim_threads_setting() -> int | None:
+    """``NHIL_SIM_THREADS`` as a positive integer, or None when unset (``nhil.targets.sim.kernels.threads`` then
+    decides). One parser for the simulator, which reads it, and ``nhil.args.check_sim_threads``, which refuses a bad
+    value before any work; it lives here so that neither imports the other's layer.
+
+    Raises:
+        ValueError: it is set to anything else (names the value and the fix).
+    """
+    return positive_int_env("NHIL_SIM_THREADS", "the simulator's kernel threads")
+
+
 def log(msg: str) -> None:
     """One ``[nhil] msg`` line on stderr (flushed): progress and cache messages of every stage."""
     print(f"[nhil] {msg}", file=sys.stderr, flush=True)

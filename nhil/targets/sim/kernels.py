@@ -229,8 +229,7 @@ def threads() -> int:
     import os
 
     from nhil.errors import SetupError
-    from nhil.args import sim_threads_setting
-    from nhil.util import positive_int_env
+    from nhil.util import positive_int_env, sim_threads_setting
 
     try:
         n = sim_threads_setting()
