@@ -36,6 +36,7 @@ from nhil.isa.program import Program
 from nhil.numerics.bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 from nhil.numerics.kv_fp8 import bind_v_byte
 from nhil.runtime.bind_runs import GemvRun, KvRun, is_gemv_member, is_run_member
+from nhil.runtime.host_batch import BATCHED, group_host_calls
 from nhil.runtime.host_kernels import KERNELS
 from nhil.runtime.host_threads import one_thread, serial_ok
 from nhil.targets.base import ResolvedInstr, Target
@@ -111,6 +112,7 @@ class Runner:
         pf = program.info.get("prefill") if isinstance(program.info, dict) else None
         self.prefill_tokens = int(pf["tokens"]) if pf else 0  # a prefill program (nhil.compiler.prefill): tokens per run
         self._host_token = list(pf["host_token"]) if pf else None
+        self._prefill_segments: list | None = None  # self.segments with batched host calls (nhil.runtime.host_batch)
 
     def attach(self, other: "Runner") -> None:
         """Run on the device state ``other`` loaded (a prefill program over its decode program's placement)
@@ -296,7 +298,9 @@ class Runner:
         if max_len and not (0 <= pos and pos + T <= max_len):
             raise RunError(f"positions {pos}..{pos + T - 1} are outside the compiled KV cache of {max_len} positions; compile with a larger max_cache_len")
         ctx = {"token": int(tokens[0]), "pos": int(pos), "tokens": [int(t) for t in tokens]}
-        self._run(self.segments, ctx, pos)
+        if self._prefill_segments is None:
+            self._prefill_segments = group_host_calls(self.p, self.segments, self._host_token, self._sizes)
+        self._run(self._prefill_segments, ctx, pos)
         self.steps += 1
         out: list[dict[str, np.ndarray]] = [{} for _ in range(T)]
         for k, v in self.p.io["outputs"].items():
@@ -307,7 +311,9 @@ class Runner:
     def _run(self, segments: list, ctx: dict, pos: int) -> None:
         ht = self._host_token
         for kind, seg in segments:
-            if kind == "host":
+            if kind == "hosts":  # one call for the prompt tokens of a prefill unit (nhil.runtime.host_batch)
+                self._run_host_group(seg, ctx, pos)
+            elif kind == "host":
                 h = self.p.host_ops[seg]
                 if ht is not None:  # a prefill program: the host call of prompt token ht[seg]
                     ctx = {"token": ctx["tokens"][ht[seg]], "pos": pos + ht[seg], "tokens": ctx["tokens"]}
@@ -348,3 +354,20 @@ class Runner:
                     if sbk:  # bank words are bf16 bits: decode them (docs/isa.md RD_SBK)
                         data = bf16_bits_to_f32(np.asarray(data, dtype=np.uint16))
                     self.bufs[buf][off : off + cnt] = data[:cnt]
+
+    def _run_host_group(self, group: list[int], ctx: dict, pos: int) -> None:
+        """One batched call (``nhil.runtime.host_batch``) of the host ops ``group``, one per prompt token."""
+        ht = self._host_token
+        hs = [self.p.host_ops[i] for i in group]
+        h = hs[0]
+        b = BATCHED[h.kernel]
+        ctxs = [{"token": ctx["tokens"][ht[i]], "pos": pos + ht[i], "tokens": ctx["tokens"]} for i in group]
+        ins = [self._val(n, ctxs[0]) if p in b.shared else [self._val(m.inputs[p], c) for m, c in zip(hs, ctxs)]
+               for p, n in enumerate(h.inputs)]
+        outs = [[self.bufs[m.outputs[j]] for m in hs] for j in range(len(h.outputs))]
+        try:
+            with one_thread():
+                b.fn(ins, outs, **h.attrs)
+        except (ValueError, TypeError, IndexError, KeyError, RuntimeError, ZeroDivisionError, OverflowError) as e:
+            raise RunError(f"host ops {group[0]}..{group[-1]} ({h.kernel}, {len(group)} prompt tokens) failed on their buffers "
+                           f"{list(h.inputs)} -> {list(h.outputs)}: {type(e).__name__}: {e}") from None
