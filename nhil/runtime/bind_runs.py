@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from nhil.isa.instr import FLAG_POS_COL, FLAG_POS_SLOT, Op
+from nhil.numerics.bf16 import f32_to_bf16_bits
 from nhil.numerics.kv_fp8 import V_HEADER, v_positions_per_row
 from nhil.targets.base import ResolvedGemvRun, ResolvedRun
 
@@ -155,7 +156,8 @@ class GemvRun:
 
     Args:
         program: the Program; index: instruction indices.
-        raw: unused (the signature of :class:`KvRun`; ``bits_of`` already gives a raw buffer's words).
+        raw: names of raw-word buffers: a run that reads none gathers its payload as fp32 and rounds it to bf16 in one
+            call (the same bits as rounding each buffer: the rounding is elementwise); otherwise through ``bits_of``.
         sizes: element count of every host buffer (``program.buffers``).
     """
 
@@ -169,6 +171,7 @@ class GemvRun:
         gb = [(j, x, program.operands[x.operand]) for j, x in enumerate(ins) if x.op is Op.WR_GB]
         acc = [(j, x, program.operands[x.operand]) for j, x in enumerate(ins) if x.op is Op.WR_ACC]
         self.gb_buffers = list(dict.fromkeys(o.buffer for _, _, o in gb))
+        self.gb_rounds = not raw.intersection(self.gb_buffers)  # every GB payload is bf16 of fp32 host values
         self.acc_buffers = list(dict.fromkeys(o.buffer for _, _, o in acc))
         start = _starts(self.gb_buffers, sizes)
         src, take, at = [], [], 0
@@ -202,7 +205,13 @@ class GemvRun:
             bufs: ``buffer name -> float32 [len]`` the host buffers (``WR_ACC`` payloads are their values).
         """
         bits = np.zeros(0, np.uint16)
-        if self.gb_buffers:
+        if self.gb_buffers and self.gb_rounds:  # gather the fp32 payload, then one rounding (prefill runs: 16 buffers)
+            parts = [np.asarray(bufs[b], dtype=np.float32) for b in self.gb_buffers]
+            allf = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            bits = f32_to_bf16_bits(allf[self.gb_src])
+            if not self.gb_full:
+                bits[~self.gb_take] = 0
+        elif self.gb_buffers:
             parts = [bits_of(b) for b in self.gb_buffers]
             allbits = np.concatenate(parts) if len(parts) > 1 else parts[0]
             bits = allbits[self.gb_src]
