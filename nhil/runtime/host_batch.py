@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from nhil.errors import RunError
+from nhil.runtime.host_kernels import _ops, masked_softmax_rows
 
 ALIGN = 64  # per-token element count that keeps every element of a transcendental on ATen's vector path
 
@@ -48,12 +49,6 @@ def _scatter(y: torch.Tensor, outs: list) -> None:
     rows = y.reshape(len(outs), -1).numpy()
     for o, r in zip(outs, rows):
         o[:] = r
-
-
-def _ops():
-    from nhil.runtime.host_kernels import _ops as ops
-
-    return ops()
 
 
 @dataclass(frozen=True)
@@ -146,21 +141,8 @@ def _narrow(ins, outs, start: int, length: int):
 
 def _masked_softmax(ins, outs, num_heads: int, max_len: int, scale: float, window: int | None = None, softcap: float | None = None, sinks: bool = False):
     """``host_kernels.masked_softmax`` of T tokens: scores [T, H, L], the mask of each token's own position."""
-    from nhil.compiler.primitives import visible_mask
-
-    T = len(ins[0])
-    s = _stack(ins[0]).reshape(T, num_heads, max_len) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    visible = visible_mask(torch.tensor(list(ins[1])), max_len, window)  # [T, L]
-    s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    if sinks:
-        sink = torch.from_numpy(np.asarray(ins[2], np.float32)).reshape(1, num_heads, 1).expand(T, num_heads, 1)
-        comb = torch.cat([s, sink], dim=-1)
-        comb = comb - comb.max(dim=-1, keepdim=True).values
-        _scatter(torch.softmax(comb, dim=-1)[:, :, :-1], outs[0])
-        return
-    _scatter(torch.softmax(s, dim=-1), outs[0])
+    s = _stack(ins[0]).reshape(len(ins[0]), num_heads, max_len)
+    _scatter(masked_softmax_rows(s, ins[1], scale, window, softcap, ins[2] if sinks else None), outs[0])
 
 
 def _softcap_aligned(attrs: dict, out_sizes: list[int]) -> bool:

@@ -153,20 +153,34 @@ def masked_softmax(inputs, outputs, ctx, num_heads: int, max_len: int, scale: fl
     column; ``softmax(s - max)`` over keys + sink, sink column dropped
     (``primitives_attention._attend_sinks``), so the probabilities of a row sum to less than 1.
     """
+    scores, pos = inputs[:2]
+    sink = inputs[2] if sinks else None
+    outputs[0][:] = masked_softmax_rows(_t(scores).reshape(1, num_heads, max_len), [pos], scale, window, softcap, sink).reshape(-1).numpy()
+
+
+def masked_softmax_rows(scores: torch.Tensor, pos: list[int], scale: float, window: int | None = None, softcap: float | None = None,
+                        sink: np.ndarray | None = None) -> torch.Tensor:
+    """:func:`masked_softmax` of T tokens at once (token t at position ``pos[t]``; the prefill runtime's batched call,
+    ``nhil.runtime.host_batch``, and the per-token kernel with T = 1).
+
+    Args:
+        scores: fp32 [T, H, L] raw q·K scores; pos: T positions; sink: fp32 [H] sink logits (GPT-OSS) or None.
+    Returns:
+        fp32 [T, H, L] probabilities, exactly 0 at masked keys.
+    """
     from nhil.compiler.primitives import visible_mask
 
-    scores, pos = inputs[:2]
-    s = _t(scores).reshape(num_heads, max_len) * scale
+    T, H, _ = scores.shape
+    s = scores * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    visible = visible_mask(torch.tensor([pos]), max_len, window)[0]
-    s = s.masked_fill(~visible, float("-inf"))
-    if sinks:
-        comb = torch.cat([s, _t(inputs[2]).reshape(num_heads, 1)], dim=-1)
+    visible = visible_mask(torch.tensor(list(pos)), scores.shape[2], window)  # [T, L]
+    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    if sink is not None:
+        comb = torch.cat([s, _t(sink).reshape(1, H, 1).expand(T, H, 1)], dim=-1)
         comb = comb - comb.max(dim=-1, keepdim=True).values
-        outputs[0][:] = torch.softmax(comb, dim=-1)[:, :-1].reshape(-1).numpy()
-        return
-    outputs[0][:] = torch.softmax(s, dim=-1).reshape(-1).numpy()
+        return torch.softmax(comb, dim=-1)[:, :, :-1]
+    return torch.softmax(s, dim=-1)
 
 
 @kernel("narrow", 1, 1)
