@@ -80,13 +80,13 @@ def test_a_wrong_gemv_run_kernel_changes_the_logits(prog, monkeypatch):
     real = kernels.gemv_run
     used = []
 
-    def mutant(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):
+    def mutant(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):
         tab = tab.copy()
         mac = np.flatnonzero((tab[:, kernels.G_CODE] == kernels.G_MAC) & (tab[:, kernels.G_N] > 1))
         if mac.size:
             tab[mac[0], kernels.G_N] -= 1
         used.append(mac.size)
-        real(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi)
+        real(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi)
 
     monkeypatch.setattr(kernels, "gemv_run", mutant)
     bad, _, _ = _steps(prog, SimTarget())
@@ -203,6 +203,73 @@ def test_a_gemv_run_across_channels_equals_its_instructions_on_the_reference(thr
     assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b))
     assert got.stats() == want.stats()
     assert np.array_equal(got.state.accs.view(np.uint32), want.state.accs.view(np.uint32)) and np.array_equal(got.state.gbs, want.state.gbs)
+
+
+def _zero_row_case(dev, rng, acc_special, gb_special):
+    """Rows 2 (channel 1 all +0, the rest random) and 3 (channel 0 all +0), loaded as bank images, and a run of
+    MAC_AB and MAC_ABV on them after WR_ACC / WR_GB payloads that hold the given special values in channel 0 / 1."""
+    import dataclasses
+
+    from nhil.isa.program import BankImage
+
+    L, nb, nch = dev.lanes, dev.banks, dev.channels
+    rnd = lambda n: rng.standard_normal(n).astype(np.float32)  # noqa: E731
+    imgs = []
+    for row, zc in ((2, 1), (3, 0)):
+        data = f32_to_bf16_bits(rnd(nch * nb * dev.cols)).reshape(nch, nb, dev.cols)
+        data[zc] = 0
+        imgs.append(BankImage(row, data))
+    acc0 = rnd(nch * nb)
+    acc0[: acc_special.size] = acc_special
+    acc0[nb : nb + acc_special.size] = acc_special
+    gb0 = f32_to_bf16_bits(rnd(8 * L))
+    gb0[: gb_special.size] = gb_special
+    gemv = [
+        (Instr(Op.WR_GB, ALL_CH, col=0, n=8), gb0),
+        (Instr(Op.WR_GB, ALL_CH, bank=1, col=0, n=8), gb0[::-1].copy()),
+        (Instr(Op.WR_ACC, ALL_CH, k=1, col=0, n=nch * nb), acc0),
+        (Instr(Op.WR_ACC, ALL_CH, bank=1, k=2, col=0, n=nch * nb), acc0[::-1].copy()),
+        (Instr(Op.MAC_AB, ALL_CH, row=2, k=1, col=0, n=8), None),
+        (Instr(Op.MAC_ABV, ALL_CH, row=3, k=2, col=0, n=8, imm=2), None),
+        (Instr(Op.RD_ACC, ALL_CH, k=1, col=0, n=nch * nb), None),
+        (Instr(Op.RD_ACC, ALL_CH, k=2, col=0, n=nch * nb), None),
+        (Instr(Op.RD_ACC, ALL_CH, bank=1, k=2, col=0, n=nch * nb), None),
+    ]
+    return imgs, gemv
+
+
+@pytest.mark.parametrize("case", ["finite", "minus-zero-acc", "nan-acc", "inf-activation", "nan-activation", "written-after-load"])
+def test_a_mac_on_an_all_zero_row_part_equals_the_reference(case):
+    """The fast path skips a GEMV run's MAC where a channel's part of the row is all +0 (the padding of a GEMV whose
+    outputs do not fill the last tile) only where that changes no bit: a -0 accumulator becomes +0, a non-canonical
+    NaN accumulator the canonical NaN, and an inf or NaN activation makes the accumulator NaN, exactly as the
+    reference MAC. After a write into such a row the row is MAC'd again (its zero mark is dropped)."""
+    import dataclasses
+
+    dev = dataclasses.replace(DEV, channels=3, vectors=2)
+    rng = np.random.default_rng(7)
+    f32 = lambda *u: np.array(u, np.uint32).view(np.float32)  # noqa: E731
+    acc_special = {"minus-zero-acc": f32(0x80000000, 0x80000000), "nan-acc": f32(0x7FC00001, 0xFFC12345)}.get(case, f32())
+    gb_special = {"inf-activation": np.array([0xFF80], np.uint16), "nan-activation": np.array([0x7FC1], np.uint16)}.get(case, np.zeros(0, np.uint16))
+    imgs, gemv = _zero_row_case(dev, rng, acc_special, gb_special)
+    got, want = _loaded(False, dev), _loaded(True, dev)
+    for t in (got, want):
+        t.state.load_images(imgs)
+    assert got.state.zero_rows[:, got.state.row_slot[[2, 3]]].tolist() == [[False, True], [True, False], [False, False]]
+    if case == "written-after-load":  # a nonzero word into channel 1 of row 2 and channel 0 of row 3
+        row = f32_to_bf16_bits(rng.standard_normal(dev.cols).astype(np.float32))
+        burst = f32_to_bf16_bits(rng.standard_normal(dev.lanes).astype(np.float32))
+        for t in (got, want):
+            t.write_row(1, 4, 2, row)
+            t.execute([ResolvedInstr(0, Instr(Op.WR_SBK, 0, bank=9, row=3, col=2, imm=0xFFFF), burst)])
+        assert not got.state.zero_rows[:, got.state.row_slot[[2, 3]]].any()
+    a = got.execute([_run(gemv)])
+    b = want.execute([ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv)])
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), (case, x.view(np.uint32)[:20], y.view(np.uint32)[:20])
+    assert np.array_equal(got.state.accs.view(np.uint32), want.state.accs.view(np.uint32))
+    assert got.stats() == want.stats()
 
 
 def test_a_bad_thread_count_is_a_setup_error_naming_the_variable(monkeypatch):

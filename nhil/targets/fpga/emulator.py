@@ -79,6 +79,7 @@ class SimBackend:
 
     def write(self, row: int, offset: int, data: np.ndarray) -> None:
         s = self.state.slot(row, allocate=True)
+        self.state.drop_decoded(s)
         mem = self.state.mem
         for ch, bank, c0, c1, i0 in self._segments(offset, data.size):
             mem[ch, bank, s, c0:c1] = data[i0 : i0 + c1 - c0]

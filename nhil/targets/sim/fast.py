@@ -18,6 +18,10 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
   quantized format (CFR W_FMT != 0), runs instruction by instruction as below (so does every run while
   ``kernels.mac_bf16`` or ``mac_bf16_vec`` is replaced, as a test's mutant replaces it: ``gemv_run`` calls the
   compiled ones).
+* **Padding rows**: a GEMV run's MAC on a channel whose part of the row is all ``+0`` (``FastPimState.zero_rows``,
+  marked at ``load_images``, dropped by every write through ``drop_decoded``) is skipped where that provably leaves
+  every accumulator bit as it is (``kernels._zero_row_mac_is_noop_py``): the unfilled last tile of a GEMV whose
+  outputs are not a multiple of channels x banks (SmolLM2's 576- and 192-wide projections) reads no weights.
 * **Runs of WR_SBK** (KV-cache appends: one per burst of K, one per element of Vᵀ) to
   distinct locations become one scatter into the bank state, whether they arrive as
   ``ResolvedInstr`` or as one ``ResolvedRun`` (bound as arrays by ``nhil.runtime.bind_runs``).
@@ -114,6 +118,29 @@ class FastPimState(PimState):
         self._mac_ok: dict = {}  # instruction word -> (c0, c1, b0, b1) once its bounds passed
         self._kernels = kernels.AVAILABLE and device.lanes == 16  # the compiled kernels assume 16 lanes per burst
         self.kernel_threads = kernels.threads() if self._kernels else 1  # GEMV runs: channel spans run at once (kernels.threads)
+
+    def _store(self, mem_t: np.ndarray) -> None:
+        """``PimState._store``, with :attr:`zero_rows` grown to the new slot count (new slots: not known zero)."""
+        super()._store(mem_t)
+        z = np.zeros(mem_t.shape[:2], np.bool_)  # [channels, slots]
+        old = getattr(self, "zero_rows", None)
+        if old is not None:
+            z[:, : old.shape[1]] = old
+        self.zero_rows = z  # [c, s]: channel c's part of row slot s is known to be all +0 bits (set by load_images)
+
+    def load_images(self, images) -> None:
+        """``PimState.load_images``, then :attr:`zero_rows` of each image: the channels whose part of the row is all
+        zero bits (the padding of a GEMV whose outputs do not fill its last tile), which ``kernels.gemv_run`` may skip."""
+        super().load_images(images)
+        for img in images:
+            if img.data is not None:
+                s = int(self.row_slot[img.row])
+                self.zero_rows[:, s] = ~self.mem_t[:, s].any(axis=(1, 2))
+
+    def drop_decoded(self, s: int) -> None:
+        """``PimState.drop_decoded`` (every write to slot ``s`` calls it), and slot ``s`` no longer known zero."""
+        self.zero_rows[:, s] = False
+        super().drop_decoded(s)
 
     def run_block(self, block, digest) -> list[np.ndarray]:
         """Execute ``block`` (``ResolvedInstr`` list) in order; readbacks are returned and fed to ``digest``.
@@ -270,7 +297,7 @@ class FastPimState(PimState):
         if has_mac and self.cfr[:, CFR_W_FMT].any():  # quantized rows: PimState's decoded-row path
             return self.run_block(run.instrs(), digest)
         res = np.empty(total, np.float32)
-        _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res),
+        _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res),
                        self.d.channels, self.kernel_threads if macs >= THREADED_MIN_MACS else 1)
         if spans:
             digest.add_many(res, len(spans))
@@ -340,6 +367,7 @@ class FastPimState(PimState):
             for r in dict.fromkeys(row[slots < 0].tolist()):
                 self.slot(r, allocate=True)
             slots = self.row_slot[row]
+        self.zero_rows[:, slots] = False  # written: no longer known zero
         if self._qcache:
             for s in np.unique(slots).tolist():
                 self.drop_decoded(s)

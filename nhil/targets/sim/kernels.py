@@ -31,6 +31,8 @@ numpy code (``PimState.step``).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 try:  # numba is a core dependency (pyproject); a missing one only costs speed
@@ -253,9 +255,37 @@ G_CODE, G_C0, G_C1, G_B0, G_B1, G_ROW, G_K, G_COL, G_N, G_SET, G_PAY, G_OUT = ra
 G_WR_GB, G_WR_ACC, G_MAC, G_RD_ACC, G_MAC_V = 0, 1, 2, 3, 4  # G_MAC_V: MAC_ABV, vectors in G_SET
 
 
-def _gemv_run_channel_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c):  # pragma: no cover - compiled by numba
+def _zero_row_mac_is_noop_py(gb, acc, c, b0, b1, k, col, n):  # pragma: no cover - compiled by numba
+    """True when MACing bursts [col, col+n) of an all-``+0`` row into ``acc[c, b0:b1, k]`` leaves every accumulator's
+    bits as they are, so the MAC may be skipped.
+
+    Why (IEEE-754 binary32, RNE): with ``w = +0`` and a finite activation ``a``, ``w * a`` is ``±0``; a sum of signed
+    zeros is ``±0``; ``acc + ±0`` is ``acc`` for every ``acc`` other than ``-0`` (``-0 + +0 = +0``) and NaN (which the
+    MAC would store as the canonical NaN, changing a non-canonical one). So: every activation of the span finite
+    (bf16 exponent not all ones) and no accumulator ``-0`` or NaN. Otherwise the MAC runs (False).
+
+    Args:
+        gb: uint16 [channels, gb_elems]; acc: float32 [channels, banks, accumulators]; the rest as :func:`_mac_bf16_py`.
+    """
+    for i in range(col * _LANES, (col + n) * _LANES):
+        if (gb[c, i] & np.uint16(0x7F80)) == np.uint16(0x7F80):
+            return False
+    for b in range(b0, b1):
+        x = acc[c, b, k]
+        if x != x or (x == 0.0 and math.copysign(1.0, x) < 0.0):
+            return False
+    return True
+
+
+_zero_row_mac_is_noop = njit(inline="always")(_zero_row_mac_is_noop_py) if AVAILABLE else None
+
+
+def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c):  # pragma: no cover - compiled by numba
     """:func:`_gemv_run_py` restricted to channel ``c``: every instruction of the run, in order, on that channel's
-    share of it only (a WR_ACC / RD_ACC's elements ``q`` with ``c0 + q // banks == c``)."""
+    share of it only (a WR_ACC / RD_ACC's elements ``q`` with ``c0 + q // banks == c``). A MAC on a row whose part
+    in channel ``c`` is all ``+0`` (``zero_rows[c, slot]``, or a row never written) is skipped where that provably
+    changes no bit (:func:`_zero_row_mac_is_noop_py`): the padding rows of a GEMV whose outputs do not fill its last
+    tile of channels x banks."""
     nb = accs.shape[2]
     one = np.empty(1, np.float32)
     one_u = one.view(np.uint32)
@@ -267,9 +297,26 @@ def _gemv_run_channel_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out
         col = tab[r, G_COL]
         n = tab[r, G_N]
         if code == G_MAC:
-            _mac_bf16(mem_t, gbs[0], accs[0], c, c + 1, tab[r, G_B0], tab[r, G_B1], row_slot[tab[r, G_ROW]], tab[r, G_K], col, n)
+            s = row_slot[tab[r, G_ROW]]
+            b0 = tab[r, G_B0]
+            b1 = tab[r, G_B1]
+            k = tab[r, G_K]
+            if (s < 0 or zero_rows[c, s]) and _zero_row_mac_is_noop(gbs[0], accs[0], c, b0, b1, k, col, n):
+                continue
+            _mac_bf16(mem_t, gbs[0], accs[0], c, c + 1, b0, b1, s, k, col, n)
         elif code == G_MAC_V:
-            _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, row_slot[tab[r, G_ROW]], tab[r, G_K], col, n, tab[r, G_SET])
+            s = row_slot[tab[r, G_ROW]]
+            k = tab[r, G_K]
+            nv = tab[r, G_SET]
+            if s < 0 or zero_rows[c, s]:
+                noop = True
+                for v in range(nv):
+                    if not _zero_row_mac_is_noop(gbs[v], accs[v], c, 0, nb, k, col, n):
+                        noop = False
+                        break
+                if noop:
+                    continue
+            _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, s, k, col, n, nv)
         elif code == G_WR_GB:
             st = tab[r, G_SET]
             e0 = col * _LANES
@@ -304,7 +351,7 @@ def _gemv_run_channel_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out
 _gemv_run_channel = njit(cache=True, nogil=True)(_gemv_run_channel_py) if AVAILABLE else None
 
 
-def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):  # pragma: no cover - compiled by numba
+def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):  # pragma: no cover - compiled by numba
     """Execute a run of checked GEMV instructions in order, with ``PimState.step``'s semantics for each.
 
     Only channels ``[c_lo, c_hi)`` are run, each through the whole run (:func:`_gemv_run_channel_py`): every
@@ -315,6 +362,8 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, 
 
     Args:
         mem_t: uint16 [channels, slots, cols, banks] bank state; row_slot: int64 [rows] row -> slot (-1: unwritten).
+        zero_rows: bool [channels, slots], True where that channel's part of the slot is known to be all ``+0``
+            (``FastPimState.zero_rows``; False is always safe: the MAC then runs).
         gbs: uint16 [sets, channels, gb_elems]; accs: float32 [sets, channels, banks, accumulators] (updated in place).
         cfr: int64 [channels, regs]; RD_ACC returns bf16 (RNE, canonical NaN) of the accumulators, as fp32, where
             register 0 of its first channel is 1 (``nhil.numerics.bf16.round_to_bf16``), else fp32.
@@ -325,7 +374,7 @@ def _gemv_run_py(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c_lo, 
         c_lo, c_hi: the channels to run.
     """
     for c in range(c_lo, c_hi):
-        _gemv_run_channel(mem_t, row_slot, gbs, accs, cfr, tab, bits, values, out, c)
+        _gemv_run_channel(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c)
 
 
 gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None
