@@ -89,6 +89,21 @@ def test_pass_keeps_conflicting_order():
     assert host_overlap(p).instrs == p.instrs
 
 
+GB_Y = Instr(Op.WR_GB, ALL_CH, col=0, n=1, operand=0)  # y -> GB: a pure gather, no host kernel between
+
+
+def test_forward_what_if_skips_the_hand_off_only_for_a_buffer_no_host_kernel_reads():
+    # no host op reads y: RD 4 | SYNC (y forwarded: +fwd) | WR_GB +1 | SYNC +1000 (the last hand-off stays)
+    bare = Program(D1, [RD, SYNC, GB_Y, SYNC, EOC], [Operand("y", 0, 16)], [], {"y": 16}, [], {}, {"outputs": {}}, {"passes": []})
+    run = lambda p, tab: HostOverlapEngine(D1, tab, program=p).run_program().cycles  # noqa: E731
+    assert run(bare, T) == 4 + LAT + 1 + LAT == 2005
+    assert run(bare, T.replace(forward_latency_ns=0.0)) == 4 + 0 + 1 + LAT == 1005
+    assert run(bare, T.replace(forward_latency_ns=10.0)) == 4 + 20 + 1 + LAT == 1025
+    # the host kernel reads y: the forward path does not apply, the chain costs what it did
+    p = prog([RD, SYNC, HOSTI, GB, SYNC, EOC])
+    assert run(p, T.replace(forward_latency_ns=0.0)) == 2589
+
+
 def test_host_share_study_on_smollm2_shape():
     """The bench's study (nhil.timing.host_share): the EW passes remove 3 host calls per layer (silu_mul, two adds;
     30 layers), the overlap never costs cycles, and with no hand-off latency no SYNC time is left."""
@@ -102,6 +117,8 @@ def test_host_share_study_on_smollm2_shape():
     assert before["sync_cycles"] == 181 * LAT  # 500 ns each, fully exposed without overlap
     zero = rows["after, hand-off 0 ns (assumed 500)"]
     assert zero["sync_cycles"] == 0 and zero["cycles_per_token"] < after["cycles_per_token"]
+    fwd = rows["after, pure-gather SYNCs forwarded on the device (what-if), hand-off 500 ns"]
+    assert zero["cycles_per_token"] < fwd["cycles_per_token"] < after["cycles_per_token"]
     for r in rows.values():
         assert r["of_bound"] == pytest.approx(r["tokens_per_s"] / r["table_bound_tokens_per_s"])
 

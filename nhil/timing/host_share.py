@@ -10,6 +10,10 @@ parts. Then the *after* program with a shorter host hand-off (``host_latency_ns`
 the table: 500 ns) and with none, to show what bounds the rest: each remaining SYNC is a gather of
 a GEMV's output (scattered one element per bank over the channels) that the next GEMV needs
 broadcast in every channel's global buffer, and no AiM-class channel has a path to another one.
+The last row is a what-if of such a path (``TimingTable.forward_latency_ns`` = :data:`FORWARD_NS`): the
+readbacks no host kernel reads (2 of the 6 SYNCs of a layer: the attention output for ``o_proj`` and the
+SwiGLU product for ``down_proj`` once ``ew-swiglu`` runs it on the device) go straight to the next WR_GB;
+the 4 others still feed RoPE, softmax and two RMSNorms on the host.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ VARIANTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("+ all three (after)", ("ew-swiglu", "ew-residual", "host-overlap")),
 )
 HANDOFF_NS = (100.0, 0.0)  # hand-off latencies of the sensitivity rows (the table assumes 500 ns)
+FORWARD_NS = 0.0  # the what-if forward path's latency beyond the RD_ACC / WR_GB bursts the program already times
+FORWARD_LABEL = "after, pure-gather SYNCs forwarded on the device (what-if), hand-off 500 ns"
 
 
 def _row(label: str, passes: list[str], rep: dict, seconds: float) -> dict:
@@ -64,6 +70,9 @@ def host_share_study(config: str = "smollm2-135m", device: str = "aim-like", max
         t0 = time.perf_counter()
         T = timing_for(after.device).replace(host_latency_ns=ns)
         rows.append(_row(f"after, hand-off {ns:.0f} ns (assumed 500)", rows[-1]["passes"], analyze(after, table=T, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    T = timing_for(after.device).replace(forward_latency_ns=FORWARD_NS)
+    rows.append(_row(FORWARD_LABEL, rows[-1]["passes"], analyze(after, table=T, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
     out = {"config": config, "max_cache_len": max_cache_len, "rows": rows}
     if breakdown:
         from nhil.timing.breakdown import step_breakdown

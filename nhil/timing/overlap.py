@@ -17,7 +17,9 @@ host data they need (buffer-level data dependence):
   stays behind it (the command queue is in order up to the controller's reordering);
 * a data-out instruction (``RD_ACC``, ``RD_SBK``) waits until every host kernel reading
   its buffer finished (the host must not see its input overwritten);
-* ``EOC`` ends the step when the last readbacks are on the host and the host is idle.
+* ``EOC`` ends the step when the last readbacks are on the host and the host is idle;
+* with ``TimingTable.forward_latency_ns`` set (a what-if study, not a device), a buffer no host
+  kernel reads is available ``forward_latency_ns`` after its SYNC instead of ``host_latency_ns``.
 
 So device work that does not depend on a host kernel (the V append while the host ropes
 q and k, the next batch's accumulator zeroing, ...) runs while the host computes; the
@@ -32,6 +34,8 @@ the base engine; time the timeline waits for a readback to reach the host is cha
 """
 
 from __future__ import annotations
+
+import math
 
 from nhil.isa.instr import NO_OPERAND, OPINFO, Instr, Op
 from nhil.isa.program import Program
@@ -69,6 +73,9 @@ class HostOverlapEngine(TimingEngine):
         self.pending: set[str] = set()  # buffers read back since the last SYNC
         self.host_reads: dict[str, int] = {}  # buffer -> end of the latest host kernel reading it
         self.last_delivery = 0
+        fwd = self.t.forward_latency_ns
+        self.fwd_lat = None if fwd is None else int(math.ceil(fwd / self.t.tck_ns))
+        self.host_inputs = {b for h in self.program.host_ops for b in h.inputs}  # buffers some host kernel reads
 
     # ------------------------------------------------------------ helpers
     def _dev_end(self) -> int:
@@ -126,9 +133,10 @@ class HostOverlapEngine(TimingEngine):
             d = self._device_barrier()
             t = d + self.host_lat
             for b in self.pending:
-                self.avail[b] = t
+                fwd = self.fwd_lat is not None and b not in self.host_inputs
+                self.avail[b] = d + self.fwd_lat if fwd else t
+            self.last_delivery = max((self.avail[b] for b in self.pending), default=t)  # t for every buffer unless forwarded
             self.pending = set()
-            self.last_delivery = t
             self._charge(idx, "SYNC", before)
             return
         if op is Op.HOST:
