@@ -102,6 +102,8 @@ def test_forward_what_if_skips_the_hand_off_only_for_a_buffer_no_host_kernel_rea
     # the host kernel reads y: the forward path does not apply, the chain costs what it did
     p = prog([RD, SYNC, HOSTI, GB, SYNC, EOC])
     assert run(p, T.replace(forward_latency_ns=0.0)) == 2589
+    with pytest.raises(ValueError, match="forward_latency_ns"):  # the base engine would ignore it silently
+        TimingEngine(D1, T.replace(forward_latency_ns=0.0), program=bare)
 
 
 def test_host_share_study_on_smollm2_shape():

@@ -67,12 +67,20 @@ class TimingEngine(ChannelController):
             previous one of its channel) instead of a controller that lets a command
             take an earlier free cycle when the table and the hazards allow.
         program: the program being timed, for host-op costs, layer and KV-row attribution.
+
+    Raises:
+        ValueError: ``table.forward_latency_ns`` is set and the engine does not model it (``MODELS_FORWARD``).
     """
+
+    MODELS_FORWARD = False  # whether the engine models TimingTable.forward_latency_ns (HostOverlapEngine does)
 
     def __init__(self, device: DeviceConfig, table: TimingTable | None = None, record: bool = False, program: Program | None = None, inorder: bool = False) -> None:
         self.d = device
         self.inorder = inorder
         self.t = table or timing_for(device)
+        if self.t.forward_latency_ns is not None and not self.MODELS_FORWARD:  # a what-if this engine would ignore
+            raise ValueError(f"{type(self).__name__} does not model TimingTable.forward_latency_ns: time the program with "
+                             "nhil.timing.overlap.HostOverlapEngine (its passes hold host-overlap), or leave it None")
         self.record = record
         self.stats = TimingStats()
         self.nbuf = max(1, int(self.t.row_buffers))

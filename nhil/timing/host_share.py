@@ -66,13 +66,11 @@ def host_share_study(config: str = "smollm2-135m", device: str = "aim-like", max
         rows.append(_row(label, passes, analyze(prog, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
         after = prog
         before = before or prog
-    for ns in HANDOFF_NS:
+    what_ifs = [(f"after, hand-off {ns:.0f} ns (assumed 500)", {"host_latency_ns": ns}) for ns in HANDOFF_NS]
+    for label, change in what_ifs + [(FORWARD_LABEL, {"forward_latency_ns": FORWARD_NS})]:
         t0 = time.perf_counter()
-        T = timing_for(after.device).replace(host_latency_ns=ns)
-        rows.append(_row(f"after, hand-off {ns:.0f} ns (assumed 500)", rows[-1]["passes"], analyze(after, table=T, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    T = timing_for(after.device).replace(forward_latency_ns=FORWARD_NS)
-    rows.append(_row(FORWARD_LABEL, rows[-1]["passes"], analyze(after, table=T, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
+        T = timing_for(after.device).replace(**change)
+        rows.append(_row(label, rows[-1]["passes"], analyze(after, table=T, gpu_gbs=gpu_gbs), time.perf_counter() - t0))
     out = {"config": config, "max_cache_len": max_cache_len, "rows": rows}
     if breakdown:
         from nhil.timing.breakdown import step_breakdown

@@ -64,6 +64,8 @@ class HostOverlapEngine(TimingEngine):
     ``host_free`` (cycle the host finishes its last kernel), ``avail`` (buffer -> cycle it is on the host).
     """
 
+    MODELS_FORWARD = True
+
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         if self.program is None:

@@ -54,16 +54,17 @@ class TimingTable:
         host_gbs: [assumed] host kernel throughput (bytes in + out per ns, GB/s).
         host_op_ns: [assumed] fixed cost per host kernel call.
         ext_channel_gbs: external (host) bandwidth per channel in GB/s (16 Gb/s x 16 DQ).
-        forward_latency_ns: [what-if, not a preset; ``None`` = off] a device-parameter study of a controller-side
-            forward path, which no AiM-class device has: a readback buffer that no host kernel reads (the pure
-            gather of a GEMV's output that the next GEMV's WR_GB broadcasts) reaches that WR_GB this long after
-            its SYNC instead of ``host_latency_ns``. Only :class:`nhil.timing.overlap.HostOverlapEngine` reads it.
         row_buffers: row buffers per bank (1 = DRAM as built). With 2 (a device-parameter
             study, not a preset), a row opens in the buffer that holds it or else the least
             recently activated one (the controller's choice), and each buffer keeps
             its own ACT/PRE timing (nRCD*, nRAS, nRP, nRC), so the next row activates while
             the current one streams; the channel's ACT spacing (nRRD, nFAW) and column
             spacing (nCCD) are shared. The legality checker knows one buffer only.
+        forward_latency_ns: [what-if, not a preset; ``None`` = off] a device-parameter study of a controller-side
+            forward path, which no AiM-class device has: a readback buffer that no host kernel reads (the pure
+            gather of a GEMV's output that the next GEMV's WR_GB broadcasts) reaches that WR_GB this long after
+            its SYNC instead of ``host_latency_ns``. Only :class:`nhil.timing.overlap.HostOverlapEngine`
+            models it; :class:`nhil.timing.engine.TimingEngine` refuses a table that sets it.
     """
 
     name: str = "aim-like"
