@@ -80,13 +80,13 @@ def test_a_wrong_gemv_run_kernel_changes_the_logits(prog, monkeypatch):
     real = kernels.gemv_run
     used = []
 
-    def mutant(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):
+    def mutant(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c_lo, c_hi):
         tab = tab.copy()
         mac = np.flatnonzero((tab[:, kernels.G_CODE] == kernels.G_MAC) & (tab[:, kernels.G_N] > 1))
         if mac.size:
             tab[mac[0], kernels.G_N] -= 1
         used.append(mac.size)
-        real(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi)
+        real(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c_lo, c_hi)
 
     monkeypatch.setattr(kernels, "gemv_run", mutant)
     bad, _, _ = _steps(prog, SimTarget())

@@ -293,11 +293,11 @@ class FastPimState(PimState):
             plan = tables[self.d] = self._gemv_table(run)
         if plan is None:
             return self.run_block(run.instrs(), digest)
-        tab, total, spans, has_mac, counts, macs = plan
+        tab, rows, ptr, total, spans, has_mac, counts, macs = plan
         if has_mac and self.cfr[:, CFR_W_FMT].any():  # quantized rows: PimState's decoded-row path
             return self.run_block(run.instrs(), digest)
         res = np.empty(total, np.float32)
-        _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, run.bits, run.values, res),
+        _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, rows, ptr, run.bits, run.values, res),
                        self.d.channels, self.kernel_threads if macs >= THREADED_MIN_MACS else 1)
         if spans:
             digest.add_many(res, len(spans))
@@ -307,7 +307,8 @@ class FastPimState(PimState):
         return [res[o:e] for o, e in spans]
 
     def _gemv_table(self, run: ResolvedGemvRun):
-        """The kernel table of a GEMV run (``kernels.G_*`` columns) and its readback spans, counts and MACs, or None
+        """The kernel table of a GEMV run (``kernels.G_*`` columns), its rows per channel (``kernels.channel_rows``) and its
+        readback spans, counts and MACs, or None
         when an instruction fails the device-semantics table or a check of the kernel path (``step`` must run it)."""
         d = self.d
         if not self._kernels:
@@ -340,7 +341,8 @@ class FastPimState(PimState):
             counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
         has_mac = bool(np.isin(tab[:, 0], (kernels.G_MAC, kernels.G_MAC_V)).any())
         spans = [(o, o + n) for o, n in zip(rd_off, rd_n)]
-        return tab, at, spans, has_mac, tuple(counts.items()), macs
+        rows, ptr = kernels.channel_rows(tab, d.channels)
+        return tab, rows, ptr, at, spans, has_mac, tuple(counts.items()), macs
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:
         """WR_SBK ``block[i:j]`` (ResolvedInstr) as one scatter (:meth:`_scatter_sbk`); False when it cannot be."""

@@ -25,6 +25,11 @@ a span of channels per call, so that threads can share the channels: a decode GE
 so it is bound by memory bandwidth, which one core does not saturate (SmolLM2 decode step, 2 cores: 96 -> 61 ms
 of MAC time with two threads).
 
+Inside a run, each channel visits only its own rows of the table (:func:`channel_rows`, built once per plan), the
+MAC cores take scratch allocated once per channel pass (no allocation per MAC), the single-vector core widens each
+weight in a register as it multiplies (no stored copy of the burst), and a WR_ACC / RD_ACC addresses its bank without
+an integer modulo per element.
+
 ``AVAILABLE`` is False when numba is missing; the fast path then runs these MACs through the reference
 numpy code (``PimState.step``).
 """
@@ -56,6 +61,69 @@ def _canonical_py(x):  # pragma: no cover - compiled by numba
 _canonical = njit(inline="always")(_canonical_py) if AVAILABLE else None
 
 
+def _bf16_py(u):  # pragma: no cover - compiled by numba
+    """The fp32 value of bf16 bits ``u`` (uint16): the bits widened in a register (``u << 16``), reinterpreted."""
+    return np.uint32(np.uint32(u) << np.uint32(16)).view(np.float32)
+
+
+_bf16 = njit(inline="always")(_bf16_py) if AVAILABLE else None
+
+
+def _mac_all_banks_py(mem_t, gb, acc, c, s, k, col, n, x):  # pragma: no cover - compiled by numba
+    """In place: ``acc[c, b, k]`` for every bank b of channel ``c`` absorbs bursts [col, col+n) of row slot ``s``.
+
+    The single-vector MAC of every bank at once (banks are the SIMD axis): each weight is read from the bank
+    state and widened in a register as it is multiplied (no widened copy of the row is stored), each activation
+    once per burst.
+
+    Args:
+        mem_t: uint16 [channels, row slots, cols, 16 banks]; gb: uint16 [channels, gb_elems]; acc: float32
+            [channels, 16 banks, accumulators]; s: row slot (-1: a row never written, reads as +0);
+        x: float32 [16] scratch (the channel's 16 accumulators while they absorb the bursts).
+    """
+    e0 = col * _LANES
+    ss = max(s, 0)
+    z = np.float32(0.0)
+    for b in range(_BANKS):
+        x[b] = acc[c, b, k]
+    for j in range(n):
+        q = e0 + j * _LANES
+        a0, a1, a2, a3 = _bf16(gb[c, q]), _bf16(gb[c, q + 1]), _bf16(gb[c, q + 2]), _bf16(gb[c, q + 3])
+        a4, a5, a6, a7 = _bf16(gb[c, q + 4]), _bf16(gb[c, q + 5]), _bf16(gb[c, q + 6]), _bf16(gb[c, q + 7])
+        a8, a9, a10, a11 = _bf16(gb[c, q + 8]), _bf16(gb[c, q + 9]), _bf16(gb[c, q + 10]), _bf16(gb[c, q + 11])
+        a12, a13, a14, a15 = _bf16(gb[c, q + 12]), _bf16(gb[c, q + 13]), _bf16(gb[c, q + 14]), _bf16(gb[c, q + 15])
+        if s < 0:  # a row never written: every weight +0 (0 * a is still computed: inf or NaN activations give NaN)
+            for b in range(_BANKS):
+                d = (((((z * a0) + (z * a1)) + ((z * a2) + (z * a3))) + (((z * a4) + (z * a5)) + ((z * a6) + (z * a7))))
+                     + ((((z * a8) + (z * a9)) + ((z * a10) + (z * a11))) + (((z * a12) + (z * a13)) + ((z * a14) + (z * a15)))))
+                x[b] = x[b] + d
+            continue
+        for b in range(_BANKS):
+            p0 = _bf16(mem_t[c, ss, q, b]) * a0
+            p1 = _bf16(mem_t[c, ss, q + 1, b]) * a1
+            p2 = _bf16(mem_t[c, ss, q + 2, b]) * a2
+            p3 = _bf16(mem_t[c, ss, q + 3, b]) * a3
+            p4 = _bf16(mem_t[c, ss, q + 4, b]) * a4
+            p5 = _bf16(mem_t[c, ss, q + 5, b]) * a5
+            p6 = _bf16(mem_t[c, ss, q + 6, b]) * a6
+            p7 = _bf16(mem_t[c, ss, q + 7, b]) * a7
+            p8 = _bf16(mem_t[c, ss, q + 8, b]) * a8
+            p9 = _bf16(mem_t[c, ss, q + 9, b]) * a9
+            p10 = _bf16(mem_t[c, ss, q + 10, b]) * a10
+            p11 = _bf16(mem_t[c, ss, q + 11, b]) * a11
+            p12 = _bf16(mem_t[c, ss, q + 12, b]) * a12
+            p13 = _bf16(mem_t[c, ss, q + 13, b]) * a13
+            p14 = _bf16(mem_t[c, ss, q + 14, b]) * a14
+            p15 = _bf16(mem_t[c, ss, q + 15, b]) * a15
+            d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+            x[b] = x[b] + d
+    for b in range(_BANKS):
+        acc[c, b, k] = _canonical(x[b])
+
+
+_mac_all_banks = njit(nogil=True)(_mac_all_banks_py) if AVAILABLE else None
+
+
 def _mac_bf16_py(mem_t, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no cover - compiled by numba
     """In place: ``acc[c, b, k]`` for c in [c0, c1), b in [b0, b1) absorbs bursts [col, col+n) of row slot ``s``.
 
@@ -67,51 +135,15 @@ def _mac_bf16_py(mem_t, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no co
         k: accumulator; col, n: first burst and burst count (16 lanes per burst).
     """
     nb = mem_t.shape[3]
+    if b0 == 0 and b1 == _BANKS and nb == _BANKS:  # MAC_AB: every bank of each channel at once
+        x = np.empty(_BANKS, np.float32)
+        for c in range(c0, c1):
+            _mac_all_banks(mem_t, gb, acc, c, s, k, col, n, x)
+        return
+    # any other bank range (MAC_SB, devices of another bank count): one bank at a time, same arithmetic
     abuf = np.empty(_LANES * n, np.uint32)
     af = abuf.view(np.float32)
     e0 = col * _LANES
-    if b0 == 0 and b1 == _BANKS and nb == _BANKS:
-        wbuf = np.zeros(_LANES * _BANKS, np.uint32)  # one burst of every bank, widened: [lane * 16 + bank]
-        w = wbuf.view(np.float32)
-        x = np.empty(_BANKS, np.float32)
-        for c in range(c0, c1):
-            for i in range(_LANES * n):
-                abuf[i] = np.uint32(gb[c, e0 + i]) << 16
-            for b in range(_BANKS):
-                x[b] = acc[c, b, k]
-            row = mem_t[c, max(s, 0)].ravel()
-            for j in range(n):
-                if s >= 0:
-                    o = (e0 + j * _LANES) * _BANKS
-                    wu = row[o : o + _LANES * _BANKS]
-                    for t in range(_LANES * _BANKS):
-                        wbuf[t] = np.uint32(wu[t]) << 16
-                a = af[j * _LANES : j * _LANES + _LANES]
-                a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
-                a8, a9, a10, a11, a12, a13, a14, a15 = a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]
-                for b in range(_BANKS):
-                    p0 = w[b] * a0
-                    p1 = w[16 + b] * a1
-                    p2 = w[32 + b] * a2
-                    p3 = w[48 + b] * a3
-                    p4 = w[64 + b] * a4
-                    p5 = w[80 + b] * a5
-                    p6 = w[96 + b] * a6
-                    p7 = w[112 + b] * a7
-                    p8 = w[128 + b] * a8
-                    p9 = w[144 + b] * a9
-                    p10 = w[160 + b] * a10
-                    p11 = w[176 + b] * a11
-                    p12 = w[192 + b] * a12
-                    p13 = w[208 + b] * a13
-                    p14 = w[224 + b] * a14
-                    p15 = w[240 + b] * a15
-                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
-                    x[b] = x[b] + d
-            for b in range(_BANKS):
-                acc[c, b, k] = _canonical(x[b])
-        return
-    # any other bank range (MAC_SB, devices of another bank count): one bank at a time, same arithmetic
     wl = np.zeros(_LANES, np.uint32)
     wf = wl.view(np.float32)
     for c in range(c0, c1):
@@ -149,6 +181,67 @@ mac_bf16 = njit(cache=True, nogil=True)(_mac_bf16_py) if AVAILABLE else None
 _mac_bf16 = mac_bf16  # the compiled kernel that mac_bf16_vec and gemv_run call (a test may replace the module's mac_bf16)
 
 
+def _mac_vec_channel_py(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs):  # pragma: no cover - compiled by numba
+    """In place, MAC_ABV on channel ``c`` (16 banks): ``accs[j, c, b, k]`` for j < nv absorbs bursts [col, col+n) of row
+    slot ``s`` against the same bursts of ``gbs[j, c]``; each burst of every bank is widened once (into ``wbuf``) and
+    serves every vector, each vector's activations are widened once per call (into ``abuf``).
+
+    Args:
+        mem_t: uint16 [channels, row slots, cols, 16 banks]; gbs: uint16 [sets, channels, gb_elems]; accs: float32
+            [sets, channels, 16 banks, accumulators]; s: row slot (-1: reads as +0);
+        abuf: uint32 [>= nv, >= 16 n], wbuf: uint32 [256], xs: float32 [>= nv, 16] scratch.
+    """
+    af = abuf.view(np.float32)
+    w = wbuf.view(np.float32)
+    e0 = col * _LANES
+    for v in range(nv):
+        for i in range(_LANES * n):
+            abuf[v, i] = np.uint32(gbs[v, c, e0 + i]) << np.uint32(16)
+        for b in range(_BANKS):
+            xs[v, b] = accs[v, c, b, k]
+    ss = max(s, 0)
+    for j in range(n):
+        q = e0 + j * _LANES
+        if s >= 0:
+            for i in range(_LANES):
+                for b in range(_BANKS):
+                    wbuf[i * _BANKS + b] = np.uint32(mem_t[c, ss, q + i, b]) << np.uint32(16)
+        else:
+            for t in range(_LANES * _BANKS):
+                wbuf[t] = 0
+        o = j * _LANES
+        for v in range(nv):
+            a0, a1, a2, a3 = af[v, o], af[v, o + 1], af[v, o + 2], af[v, o + 3]
+            a4, a5, a6, a7 = af[v, o + 4], af[v, o + 5], af[v, o + 6], af[v, o + 7]
+            a8, a9, a10, a11 = af[v, o + 8], af[v, o + 9], af[v, o + 10], af[v, o + 11]
+            a12, a13, a14, a15 = af[v, o + 12], af[v, o + 13], af[v, o + 14], af[v, o + 15]
+            for b in range(_BANKS):
+                p0 = w[b] * a0
+                p1 = w[16 + b] * a1
+                p2 = w[32 + b] * a2
+                p3 = w[48 + b] * a3
+                p4 = w[64 + b] * a4
+                p5 = w[80 + b] * a5
+                p6 = w[96 + b] * a6
+                p7 = w[112 + b] * a7
+                p8 = w[128 + b] * a8
+                p9 = w[144 + b] * a9
+                p10 = w[160 + b] * a10
+                p11 = w[176 + b] * a11
+                p12 = w[192 + b] * a12
+                p13 = w[208 + b] * a13
+                p14 = w[224 + b] * a14
+                p15 = w[240 + b] * a15
+                d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                xs[v, b] = xs[v, b] + d
+    for v in range(nv):
+        for b in range(_BANKS):
+            accs[v, c, b, k] = _canonical(xs[v, b])
+
+
+_mac_vec_channel = njit(nogil=True)(_mac_vec_channel_py) if AVAILABLE else None
+
+
 def _mac_bf16_vec_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no cover - compiled by numba
     """In place, MAC_ABV: for c in [c0, c1), every bank b, j < nv: ``accs[j, c, b, k]`` absorbs bursts [col, col+n)
     of row slot ``s`` against the same bursts of global buffer ``gbs[j, c]`` (the arithmetic of :func:`_mac_bf16_py`
@@ -164,52 +257,11 @@ def _mac_bf16_vec_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no 
         for v in range(nv):
             _mac_bf16(mem_t, gbs[v], accs[v], c0, c1, 0, nb, s, k, col, n)
         return
-    wbuf = np.zeros(_LANES * _BANKS, np.uint32)
-    w = wbuf.view(np.float32)
     abuf = np.empty((nv, _LANES * n), np.uint32)
-    af = abuf.view(np.float32)
+    wbuf = np.empty(_LANES * _BANKS, np.uint32)
     xs = np.empty((nv, _BANKS), np.float32)
-    e0 = col * _LANES
     for c in range(c0, c1):
-        for v in range(nv):
-            for i in range(_LANES * n):
-                abuf[v, i] = np.uint32(gbs[v, c, e0 + i]) << 16
-            for b in range(_BANKS):
-                xs[v, b] = accs[v, c, b, k]
-        row = mem_t[c, max(s, 0)].ravel()
-        for j in range(n):
-            if s >= 0:
-                o = (e0 + j * _LANES) * _BANKS
-                wu = row[o : o + _LANES * _BANKS]
-                for t in range(_LANES * _BANKS):
-                    wbuf[t] = np.uint32(wu[t]) << 16
-            for v in range(nv):
-                a = af[v, j * _LANES : j * _LANES + _LANES]
-                x = xs[v]
-                a0, a1, a2, a3, a4, a5, a6, a7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
-                a8, a9, a10, a11, a12, a13, a14, a15 = a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]
-                for b in range(_BANKS):
-                    p0 = w[b] * a0
-                    p1 = w[16 + b] * a1
-                    p2 = w[32 + b] * a2
-                    p3 = w[48 + b] * a3
-                    p4 = w[64 + b] * a4
-                    p5 = w[80 + b] * a5
-                    p6 = w[96 + b] * a6
-                    p7 = w[112 + b] * a7
-                    p8 = w[128 + b] * a8
-                    p9 = w[144 + b] * a9
-                    p10 = w[160 + b] * a10
-                    p11 = w[176 + b] * a11
-                    p12 = w[192 + b] * a12
-                    p13 = w[208 + b] * a13
-                    p14 = w[224 + b] * a14
-                    p15 = w[240 + b] * a15
-                    d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
-                    x[b] = x[b] + d
-        for v in range(nv):
-            for b in range(_BANKS):
-                accs[v, c, b, k] = _canonical(xs[v, b])
+        _mac_vec_channel(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs)
 
 
 mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
@@ -280,19 +332,21 @@ def _zero_row_mac_is_noop_py(gb, acc, c, b0, b1, k, col, n):  # pragma: no cover
 _zero_row_mac_is_noop = njit(inline="always")(_zero_row_mac_is_noop_py) if AVAILABLE else None
 
 
-def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c):  # pragma: no cover - compiled by numba
+def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c):  # pragma: no cover - compiled by numba
     """:func:`_gemv_run_py` restricted to channel ``c``: every instruction of the run, in order, on that channel's
     share of it only (a WR_ACC / RD_ACC's elements ``q`` with ``c0 + q // banks == c``). A MAC on a row whose part
     in channel ``c`` is all ``+0`` (``zero_rows[c, slot]``, or a row never written) is skipped where that provably
     changes no bit (:func:`_zero_row_mac_is_noop_py`): the padding rows of a GEMV whose outputs do not fill its last
     tile of channels x banks."""
     nb = accs.shape[2]
-    one = np.empty(1, np.float32)
-    one_u = one.view(np.uint32)
-    for r in range(tab.shape[0]):
+    all_banks = nb == _BANKS and mem_t.shape[3] == _BANKS
+    x = np.empty(_BANKS, np.float32)  # scratch of the MAC cores, allocated once per channel
+    abuf = np.empty((gbs.shape[0], gbs.shape[2]), np.uint32)
+    wbuf = np.empty(_LANES * _BANKS, np.uint32)
+    xs = np.empty((gbs.shape[0], _BANKS), np.float32)
+    for ri in range(ptr[c], ptr[c + 1]):
+        r = rows[ri]
         c0 = tab[r, G_C0]
-        if c < c0 or c >= tab[r, G_C1]:
-            continue
         code = tab[r, G_CODE]
         col = tab[r, G_COL]
         n = tab[r, G_N]
@@ -303,7 +357,10 @@ def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, 
             k = tab[r, G_K]
             if (s < 0 or zero_rows[c, s]) and _zero_row_mac_is_noop(gbs[0], accs[0], c, b0, b1, k, col, n):
                 continue
-            _mac_bf16(mem_t, gbs[0], accs[0], c, c + 1, b0, b1, s, k, col, n)
+            if all_banks and b0 == 0 and b1 == _BANKS:
+                _mac_all_banks(mem_t, gbs[0], accs[0], c, s, k, col, n, x)
+            else:
+                _mac_bf16(mem_t, gbs[0], accs[0], c, c + 1, b0, b1, s, k, col, n)
         elif code == G_MAC_V:
             s = row_slot[tab[r, G_ROW]]
             k = tab[r, G_K]
@@ -316,42 +373,58 @@ def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, 
                         break
                 if noop:
                     continue
-            _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, s, k, col, n, nv)
+            if all_banks:
+                _mac_vec_channel(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs)
+            else:
+                _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, s, k, col, n, nv)
         elif code == G_WR_GB:
             st = tab[r, G_SET]
             e0 = col * _LANES
             po = tab[r, G_PAY]
             for i in range(n * _LANES):
                 gbs[st, c, e0 + i] = bits[po + i]
-        else:  # WR_ACC / RD_ACC: elements t with (col + t) // nb == c - c0
+        else:  # WR_ACC / RD_ACC: elements t with (col + t) // nb == c - c0, in bank col + t - (c - c0) * nb
             st = tab[r, G_SET]
             k = tab[r, G_K]
-            t0 = max(0, (c - c0) * nb - col)
-            t1 = min(n, (c - c0 + 1) * nb - col)
+            bo = col - (c - c0) * nb
+            t0 = max(0, -bo)
+            t1 = min(n, nb - bo)
             if code == G_WR_ACC:
                 po = tab[r, G_PAY]
                 for t in range(t0, t1):
-                    accs[st, c, (col + t) % nb, k] = values[po + t]
+                    accs[st, c, t + bo, k] = values[po + t]
             else:  # G_RD_ACC
                 oo = tab[r, G_OUT]
-                bf = cfr[c0, 0] == 1
-                for t in range(t0, t1):
-                    y = accs[st, c, (col + t) % nb, k]
-                    if bf:
+                if cfr[c0, 0] == 1:  # bf16 readback: RNE, canonical NaN (nhil.numerics.bf16.round_to_bf16)
+                    for t in range(t0, t1):
+                        y = accs[st, c, t + bo, k]
                         if y != y:
-                            one_u[0] = np.uint32(0x7FC00000)
+                            u = np.uint32(0x7FC00000)
                         else:
-                            one[0] = y
-                            u = one_u[0]
-                            one_u[0] = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16)
-                        y = one[0]
-                    out[oo + t] = y
+                            u = np.float32(y).view(np.uint32)
+                            u = np.uint32(((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)) << np.uint32(16))
+                        out[oo + t] = np.uint32(u).view(np.float32)
+                else:
+                    for t in range(t0, t1):
+                        out[oo + t] = accs[st, c, t + bo, k]
+
+
+def channel_rows(tab: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, ptr)``: the rows of GEMV-run table ``tab`` (``G_*`` columns) that touch each channel, in table order,
+    as one index array and its offsets (``rows[ptr[c]:ptr[c + 1]]`` for channel ``c``, ``ptr`` int64 [channels + 1]),
+    so that a channel's pass over a run skips the single-channel instructions of the others without reading them."""
+    c = np.arange(channels)[:, None]
+    hit = (tab[None, :, G_C0] <= c) & (c < tab[None, :, G_C1])  # [channels, m]
+    ch, rows = np.nonzero(hit)
+    ptr = np.zeros(channels + 1, np.int64)
+    np.cumsum(np.bincount(ch, minlength=channels), out=ptr[1:])
+    return rows.astype(np.int64), ptr
 
 
 _gemv_run_channel = njit(cache=True, nogil=True)(_gemv_run_channel_py) if AVAILABLE else None
 
 
-def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c_lo, c_hi):  # pragma: no cover - compiled by numba
+def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c_lo, c_hi):  # pragma: no cover - compiled by numba
     """Execute a run of checked GEMV instructions in order, with ``PimState.step``'s semantics for each.
 
     Only channels ``[c_lo, c_hi)`` are run, each through the whole run (:func:`_gemv_run_channel_py`): every
@@ -370,11 +443,13 @@ def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, 
         tab: int64 [m, 12], one row per instruction (columns ``G_*``): code (``G_WR_GB``, ``G_WR_ACC``,
             ``G_MAC``, ``G_RD_ACC``, ``G_MAC_V`` with the vector count in the set column), channel range, bank range (MAC), row, accumulator k, col, n, set
             (GB / accumulator set), payload offset, readback offset.
+        rows, ptr: int64, the table rows of each channel in order (:func:`channel_rows`): channel ``c`` runs
+            ``tab[rows[ptr[c]:ptr[c + 1]]]``.
         bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks.
         c_lo, c_hi: the channels to run.
     """
     for c in range(c_lo, c_hi):
-        _gemv_run_channel(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, bits, values, out, c)
+        _gemv_run_channel(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c)
 
 
 gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None
