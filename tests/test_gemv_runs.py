@@ -17,7 +17,7 @@ from nhil.numerics.bf16 import f32_to_bf16_bits
 from nhil.runtime.bind_runs import GemvRun
 from nhil.runtime.executor import Runner
 from nhil.targets.base import ReadbackDigest, ResolvedGemvRun, ResolvedInstr
-from nhil.targets.sim import SimTarget, kernels
+from nhil.targets.sim import SimTarget, kernel_threads, kernels
 from nhil.targets.sim.device import PimState
 from nhil.targets.sim.fast import FastPimState
 
@@ -280,9 +280,9 @@ def test_a_bad_thread_count_is_a_setup_error_naming_the_variable(monkeypatch):
         _loaded(False)  # the simulator state reads it when the program is loaded
     monkeypatch.setenv("NHIL_SIM_THREADS", "3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert kernels.threads() == 3  # nhil's own variable wins over the scheduler's budget
+    assert kernel_threads.threads() == 3  # nhil's own variable wins over the scheduler's budget
     monkeypatch.delenv("NHIL_SIM_THREADS")
-    assert kernels.threads() == 1
+    assert kernel_threads.threads() == 1
 
 
 def test_a_bad_instruction_in_a_gemv_run_raises_the_reference_error():
@@ -298,7 +298,7 @@ def test_a_bad_instruction_in_a_gemv_run_raises_the_reference_error():
 
 
 def test_kernel_spans_cover_every_channel_once_and_a_span_error_is_raised_after_all_finish():
-    from nhil.targets.sim.fast import _spans_at_once
+    from nhil.targets.sim.kernel_threads import spans_at_once
 
     seen = []
 
@@ -307,12 +307,12 @@ def test_kernel_spans_cover_every_channel_once_and_a_span_error_is_raised_after_
         if tag == "bad" and c_lo > 0:
             raise ValueError(f"span {c_lo}..{c_hi}")
 
-    _spans_at_once(kernel, ("ok",), 5, 3)
+    spans_at_once(kernel, ("ok",), 5, 3)
     assert sorted(seen) == [("ok", 0, 1), ("ok", 1, 3), ("ok", 3, 5)]
     seen.clear()
     with pytest.raises(ValueError, match="span"):
-        _spans_at_once(kernel, ("bad",), 5, 2)
+        spans_at_once(kernel, ("bad",), 5, 2)
     assert sorted(seen) == [("bad", 0, 2), ("bad", 2, 5)]
     seen.clear()
-    _spans_at_once(kernel, ("again",), 4, 2)  # the threads are free again after an error
+    spans_at_once(kernel, ("again",), 4, 2)  # the threads are free again after an error
     assert sorted(seen) == [("again", 0, 2), ("again", 2, 4)]

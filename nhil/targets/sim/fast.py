@@ -34,8 +34,6 @@ state, readbacks, counters and errors as calling ``PimState.step`` on each in tu
 
 from __future__ import annotations
 
-import queue
-import threading
 import weakref
 
 import numpy as np
@@ -44,7 +42,8 @@ from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
 from nhil.isa.semantics import check_instr
 from nhil.numerics.bf16 import round_to_bf16
 from nhil.targets.base import ResolvedGemvRun, ResolvedInstr, ResolvedRun
-from nhil.targets.sim import kernels
+from nhil.targets.sim import kernels, wr_sbk
+from nhil.targets.sim.kernel_threads import spans_at_once, threads
 from nhil.targets.sim.device import PimState
 
 
@@ -52,62 +51,17 @@ _GEMV_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # GemvRun
 THREADED_MIN_MACS = 1 << 18  # a GEMV run with fewer MACs runs on the caller's thread: a hand-off costs more than it saves
 
 
-class _KernelThreads:
-    """Persistent daemon threads that each run one span of a kernel call on request (``queue.SimpleQueue`` hand-offs:
-    a blocked thread sleeps, it does not spin). One call at a time: a second caller while one is running runs its
-    call whole on its own thread (:func:`_spans_at_once`)."""
 
-    def __init__(self, n: int) -> None:
-        self.inbox = [queue.SimpleQueue() for _ in range(n)]
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
-        self.busy = threading.Lock()
-        for q in self.inbox:
-            threading.Thread(target=self._serve, args=(q,), name="nhil-sim-kernel", daemon=True).start()
-
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
-        while True:
-            kernel, args = inbox.get()
-            try:
-                kernel(*args)
-                self.done.put(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
-                self.done.put(e)
-
-
-_THREADS: _KernelThreads | None = None
-_THREADS_LOCK = threading.Lock()
-
-
-def _spans_at_once(kernel, args: tuple, channels: int, threads: int) -> None:
-    """``kernel(*args, c_lo, c_hi)`` over ``[0, channels)`` split into ``threads`` contiguous spans, run at once: the
-    caller runs the first span, :class:`_KernelThreads` the others (the kernel releases the GIL). Returns when all are
-    done; the first exception of a span is raised after every span has finished."""
-    global _THREADS
-    n = max(1, min(threads, channels))
-    if n > 1 and (_THREADS is None or len(_THREADS.inbox) < n - 1):
-        with _THREADS_LOCK:
-            if _THREADS is None or len(_THREADS.inbox) < n - 1:
-                _THREADS = _KernelThreads(n - 1)
-    pool = _THREADS
-    if n == 1 or not pool.busy.acquire(blocking=False):
-        kernel(*args, 0, channels)
-        return
-    cut = [channels * i // n for i in range(n + 1)]
-    for i in range(1, n):
-        pool.inbox[i - 1].put((kernel, (*args, cut[i], cut[i + 1])))
-    err = None
-    try:
-        kernel(*args, cut[0], cut[1])
-    except BaseException as e:  # noqa: BLE001 - raised after the other spans finished
-        err = e
-    for _ in range(1, n):
-        e = pool.done.get()  # wait for every span before anything else touches the state
-        err = err or e
-    # released only when every span reported: after an interrupt during the wait, a span may still be running, and
-    # the threads stay taken (later calls run on the caller's thread) rather than hand a stale report to a new call
-    pool.busy.release()
-    if err is not None:
-        raise err
+def _channel_rows(tab: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, ptr)``: the rows of GEMV-run table ``tab`` (``G_*`` columns) that touch each channel, in table order,
+    as one index array and its offsets (``rows[ptr[c]:ptr[c + 1]]`` for channel ``c``, ``ptr`` int64 [channels + 1]),
+    so that a channel's pass over a run skips the single-channel instructions of the others without reading them."""
+    c = np.arange(channels)[:, None]
+    hit = (tab[None, :, kernels.G_C0] <= c) & (c < tab[None, :, kernels.G_C1])  # [channels, m]
+    ch, rows = np.nonzero(hit)
+    ptr = np.zeros(channels + 1, np.int64)
+    np.cumsum(np.bincount(ch, minlength=channels), out=ptr[1:])
+    return rows.astype(np.int64), ptr
 
 
 class FastPimState(PimState):
@@ -117,7 +71,7 @@ class FastPimState(PimState):
         super().__init__(device, reserve_rows)
         self._mac_ok: dict = {}  # instruction word -> (c0, c1, b0, b1) once its bounds passed
         self._kernels = kernels.AVAILABLE and device.lanes == 16  # the compiled kernels assume 16 lanes per burst
-        self.kernel_threads = kernels.threads() if self._kernels else 1  # GEMV runs: channel spans run at once (kernels.threads)
+        self.kernel_threads = threads() if self._kernels else 1  # GEMV runs: channel spans run at once (kernel_threads.threads)
 
     def _store(self, mem_t: np.ndarray) -> None:
         """``PimState._store``, with :attr:`zero_rows` grown to the new slot count (new slots: not known zero)."""
@@ -297,7 +251,7 @@ class FastPimState(PimState):
         if has_mac and self.cfr[:, CFR_W_FMT].any():  # quantized rows: PimState's decoded-row path
             return self.run_block(run.instrs(), digest)
         res = np.empty(total, np.float32)
-        _spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, rows, ptr, run.bits, run.values, res),
+        spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, rows, ptr, run.bits, run.values, res),
                        self.d.channels, self.kernel_threads if macs >= THREADED_MIN_MACS else 1)
         if spans:
             digest.add_many(res, len(spans))
@@ -307,7 +261,7 @@ class FastPimState(PimState):
         return [res[o:e] for o, e in spans]
 
     def _gemv_table(self, run: ResolvedGemvRun):
-        """The kernel table of a GEMV run (``kernels.G_*`` columns), its rows per channel (``kernels.channel_rows``) and its
+        """The kernel table of a GEMV run (``kernels.G_*`` columns), its rows per channel (:func:`_channel_rows`) and its
         readback spans, counts and MACs, or None
         when an instruction fails the device-semantics table or a check of the kernel path (``step`` must run it)."""
         d = self.d
@@ -341,7 +295,7 @@ class FastPimState(PimState):
             counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
         has_mac = bool(np.isin(tab[:, 0], (kernels.G_MAC, kernels.G_MAC_V)).any())
         spans = [(o, o + n) for o, n in zip(rd_off, rd_n)]
-        rows, ptr = kernels.channel_rows(tab, d.channels)
+        rows, ptr = _channel_rows(tab, d.channels)
         return tab, rows, ptr, at, spans, has_mac, tuple(counts.items()), macs
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:
@@ -374,7 +328,7 @@ class FastPimState(PimState):
             for s in np.unique(slots).tolist():
                 self.drop_decoded(s)
         if self._kernels:
-            if not kernels.scatter_sbk(self.mem_t, slots, ch, bank, col, imm, pay):
+            if not wr_sbk.scatter_sbk(self.mem_t, slots, ch, bank, col, imm, pay):
                 return False  # two writes to one element: step runs them in order (the last wins)
         else:
             mask = ((imm[:, None] >> np.arange(L)) & 1).astype(bool)  # [m, L]

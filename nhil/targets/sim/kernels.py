@@ -25,13 +25,18 @@ a span of channels per call, so that threads can share the channels: a decode GE
 so it is bound by memory bandwidth, which one core does not saturate (SmolLM2 decode step, 2 cores: 96 -> 61 ms
 of MAC time with two threads).
 
-Inside a run, each channel visits only its own rows of the table (:func:`channel_rows`, built once per plan), the
+Inside a run, each channel visits only its own rows of the table (``fast._channel_rows``, built once per plan), the
 MAC cores take scratch allocated once per call (no allocation per MAC), the single-vector core widens each
 weight in a register as it multiplies (no stored copy of the burst), and a WR_ACC / RD_ACC addresses its bank without
 an integer modulo per element. Element loops run over slices from index 0 (:func:`_copy_py`: numba's negative-index
 fix-up of ``a[e0 + i]`` kept them scalar), and the single-vector core prefetches the bursts it reads next, across the
 4 KiB pages where the hardware prefetcher stops (:func:`_prefetch_typer`). SmolLM2 decode, same process: the GEMV runs
 40 -> 25 ms per token; 64-token prefill 1.31 -> 0.79 s.
+
+Why one file: numba's on-disk cache (``cache=True``) is keyed by the source file of the cached function only, and
+:func:`gemv_run` compiles the MAC cores into itself; were the cores in another module, an edit there would leave
+``gemv_run``'s cached machine code stale. Everything else of the fast path's kernels lives outside (threads:
+``kernel_threads``; the WR_SBK scatter: ``wr_sbk``; the per-channel table rows: ``fast``).
 
 ``AVAILABLE`` is False when numba is missing; the fast path then runs these MACs through the reference
 numpy code (``PimState.step``).
@@ -72,6 +77,15 @@ def _bf16_py(u):  # pragma: no cover - compiled by numba
 
 
 _bf16 = njit(inline="always")(_bf16_py) if AVAILABLE else None
+
+
+def _dot16_py(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):  # pragma: no cover - compiled by numba
+    """The fixed pairwise tree of a burst's 16 lane products (``docs/numerics.md`` "MAC"): 4 levels of fp32 adds,
+    ``((p0+p1)+(p2+p3))+((p4+p5)+(p6+p7))`` and so on, each one IEEE-754 binary32 RNE add, in this order."""
+    return (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+
+
+_dot16 = njit(inline="always")(_dot16_py) if AVAILABLE else None
 
 def _copy_py(dst, src):  # pragma: no cover - compiled by numba
     """``dst[:] = src`` (1-d, same length), as a loop over slices: indices that start at 0 need no negative-index
@@ -158,28 +172,17 @@ def _mac_all_banks_py(mem_t, gb, acc, c, s, k, col, n, x, s2, col2):  # pragma: 
                 _prefetch(mem_t, c, s2, q2 + line * (_LINE_ELEMS // _BANKS), 0)
         if s < 0:  # a row never written: every weight +0 (0 * a is still computed: inf or NaN activations give NaN)
             for b in range(_BANKS):
-                d = (((((z * a0) + (z * a1)) + ((z * a2) + (z * a3))) + (((z * a4) + (z * a5)) + ((z * a6) + (z * a7))))
-                     + ((((z * a8) + (z * a9)) + ((z * a10) + (z * a11))) + (((z * a12) + (z * a13)) + ((z * a14) + (z * a15)))))
+                d = _dot16(z * a0, z * a1, z * a2, z * a3, z * a4, z * a5, z * a6, z * a7,
+                           z * a8, z * a9, z * a10, z * a11, z * a12, z * a13, z * a14, z * a15)
                 x[b] = x[b] + d
             continue
         for b in range(_BANKS):
-            p0 = _bf16(mem_t[c, ss, q, b]) * a0
-            p1 = _bf16(mem_t[c, ss, q + 1, b]) * a1
-            p2 = _bf16(mem_t[c, ss, q + 2, b]) * a2
-            p3 = _bf16(mem_t[c, ss, q + 3, b]) * a3
-            p4 = _bf16(mem_t[c, ss, q + 4, b]) * a4
-            p5 = _bf16(mem_t[c, ss, q + 5, b]) * a5
-            p6 = _bf16(mem_t[c, ss, q + 6, b]) * a6
-            p7 = _bf16(mem_t[c, ss, q + 7, b]) * a7
-            p8 = _bf16(mem_t[c, ss, q + 8, b]) * a8
-            p9 = _bf16(mem_t[c, ss, q + 9, b]) * a9
-            p10 = _bf16(mem_t[c, ss, q + 10, b]) * a10
-            p11 = _bf16(mem_t[c, ss, q + 11, b]) * a11
-            p12 = _bf16(mem_t[c, ss, q + 12, b]) * a12
-            p13 = _bf16(mem_t[c, ss, q + 13, b]) * a13
-            p14 = _bf16(mem_t[c, ss, q + 14, b]) * a14
-            p15 = _bf16(mem_t[c, ss, q + 15, b]) * a15
-            d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+            d = _dot16(
+                _bf16(mem_t[c, ss, q, b]) * a0, _bf16(mem_t[c, ss, q + 1, b]) * a1, _bf16(mem_t[c, ss, q + 2, b]) * a2, _bf16(mem_t[c, ss, q + 3, b]) * a3,
+                _bf16(mem_t[c, ss, q + 4, b]) * a4, _bf16(mem_t[c, ss, q + 5, b]) * a5, _bf16(mem_t[c, ss, q + 6, b]) * a6, _bf16(mem_t[c, ss, q + 7, b]) * a7,
+                _bf16(mem_t[c, ss, q + 8, b]) * a8, _bf16(mem_t[c, ss, q + 9, b]) * a9, _bf16(mem_t[c, ss, q + 10, b]) * a10, _bf16(mem_t[c, ss, q + 11, b]) * a11,
+                _bf16(mem_t[c, ss, q + 12, b]) * a12, _bf16(mem_t[c, ss, q + 13, b]) * a13, _bf16(mem_t[c, ss, q + 14, b]) * a14, _bf16(mem_t[c, ss, q + 15, b]) * a15,
+            )
             x[b] = x[b] + d
     for b in range(_BANKS):
         acc[c, b, k] = _canonical(x[b])
@@ -219,23 +222,12 @@ def _mac_bf16_py(mem_t, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no co
                 if s >= 0:
                     for i in range(_LANES):
                         wl[i] = np.uint32(mem_t[c, s, e0 + q + i, b]) << 16
-                p0 = wf[0] * af[q]
-                p1 = wf[1] * af[q + 1]
-                p2 = wf[2] * af[q + 2]
-                p3 = wf[3] * af[q + 3]
-                p4 = wf[4] * af[q + 4]
-                p5 = wf[5] * af[q + 5]
-                p6 = wf[6] * af[q + 6]
-                p7 = wf[7] * af[q + 7]
-                p8 = wf[8] * af[q + 8]
-                p9 = wf[9] * af[q + 9]
-                p10 = wf[10] * af[q + 10]
-                p11 = wf[11] * af[q + 11]
-                p12 = wf[12] * af[q + 12]
-                p13 = wf[13] * af[q + 13]
-                p14 = wf[14] * af[q + 14]
-                p15 = wf[15] * af[q + 15]
-                d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                d = _dot16(
+                    wf[0] * af[q], wf[1] * af[q + 1], wf[2] * af[q + 2], wf[3] * af[q + 3],
+                    wf[4] * af[q + 4], wf[5] * af[q + 5], wf[6] * af[q + 6], wf[7] * af[q + 7],
+                    wf[8] * af[q + 8], wf[9] * af[q + 9], wf[10] * af[q + 10], wf[11] * af[q + 11],
+                    wf[12] * af[q + 12], wf[13] * af[q + 13], wf[14] * af[q + 14], wf[15] * af[q + 15],
+                )
                 y = y + d
             acc[c, b, k] = _canonical(y)
 
@@ -278,23 +270,12 @@ def _mac_vec_channel_py(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs): 
             a8, a9, a10, a11 = af[v, o + 8], af[v, o + 9], af[v, o + 10], af[v, o + 11]
             a12, a13, a14, a15 = af[v, o + 12], af[v, o + 13], af[v, o + 14], af[v, o + 15]
             for b in range(_BANKS):
-                p0 = w[b] * a0
-                p1 = w[16 + b] * a1
-                p2 = w[32 + b] * a2
-                p3 = w[48 + b] * a3
-                p4 = w[64 + b] * a4
-                p5 = w[80 + b] * a5
-                p6 = w[96 + b] * a6
-                p7 = w[112 + b] * a7
-                p8 = w[128 + b] * a8
-                p9 = w[144 + b] * a9
-                p10 = w[160 + b] * a10
-                p11 = w[176 + b] * a11
-                p12 = w[192 + b] * a12
-                p13 = w[208 + b] * a13
-                p14 = w[224 + b] * a14
-                p15 = w[240 + b] * a15
-                d = (((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))) + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15)))
+                d = _dot16(
+                    w[b] * a0, w[16 + b] * a1, w[32 + b] * a2, w[48 + b] * a3,
+                    w[64 + b] * a4, w[80 + b] * a5, w[96 + b] * a6, w[112 + b] * a7,
+                    w[128 + b] * a8, w[144 + b] * a9, w[160 + b] * a10, w[176 + b] * a11,
+                    w[192 + b] * a12, w[208 + b] * a13, w[224 + b] * a14, w[240 + b] * a15,
+                )
                 xs[v, b] = xs[v, b] + d
     for v in range(nv):
         for b in range(_BANKS):
@@ -330,38 +311,6 @@ mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else 
 _mac_bf16_vec = mac_bf16_vec  # the compiled kernel gemv_run calls (a test may replace the module's mac_bf16_vec)
 
 
-def threads() -> int:
-    """Threads :func:`gemv_run` shares the channels among: ``NHIL_SIM_THREADS`` if set, else ``OMP_NUM_THREADS``
-    if set (the per-process budget a scheduler gives, e.g. Ray's workers or ``nhil landscape``'s rows), else 1 inside
-    a pytest-xdist worker (its siblings hold the other cores), else one per core.
-
-    The count changes only the speed: every channel's arithmetic is the same on any thread. (The threads are
-    Python threads that block while they wait: numba's OpenMP ``prange`` threads spin instead, and on a 2-core
-    machine with any other load that made a SmolLM2 decode step 1.2 s instead of 0.21 s.)
-
-    Raises:
-        SetupError: ``NHIL_SIM_THREADS`` is not a positive integer.
-    """
-    import os
-
-    from nhil.errors import SetupError
-    from nhil.util import positive_int_env, sim_threads_setting
-
-    try:
-        n = sim_threads_setting()
-    except ValueError as e:
-        raise SetupError(str(e)) from None
-    if n is not None:
-        return n
-    try:
-        n = positive_int_env("OMP_NUM_THREADS", "threads per process")
-    except ValueError:
-        n = None  # another program's variable: a malformed one is not nhil's to refuse
-    if n is not None:
-        return n
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return 1
-    return os.cpu_count() or 1
 
 
 # columns of the GEMV-run table (FastPimState._gemv_table)
@@ -474,17 +423,6 @@ def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, 
                         out[oo + t] = accs[st, c, t + bo, k]
 
 
-def channel_rows(tab: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, ptr)``: the rows of GEMV-run table ``tab`` (``G_*`` columns) that touch each channel, in table order,
-    as one index array and its offsets (``rows[ptr[c]:ptr[c + 1]]`` for channel ``c``, ``ptr`` int64 [channels + 1]),
-    so that a channel's pass over a run skips the single-channel instructions of the others without reading them."""
-    c = np.arange(channels)[:, None]
-    hit = (tab[None, :, G_C0] <= c) & (c < tab[None, :, G_C1])  # [channels, m]
-    ch, rows = np.nonzero(hit)
-    ptr = np.zeros(channels + 1, np.int64)
-    np.cumsum(np.bincount(ch, minlength=channels), out=ptr[1:])
-    return rows.astype(np.int64), ptr
-
 
 _gemv_run_channel = njit(cache=True, nogil=True)(_gemv_run_channel_py) if AVAILABLE else None
 
@@ -508,7 +446,7 @@ def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bit
         tab: int64 [m, 12], one row per instruction (columns ``G_*``): code (``G_WR_GB``, ``G_WR_ACC``,
             ``G_MAC``, ``G_RD_ACC``, ``G_MAC_V`` with the vector count in the set column), channel range, bank range (MAC), row, accumulator k, col, n, set
             (GB / accumulator set), payload offset, readback offset.
-        rows, ptr: int64, the table rows of each channel in order (:func:`channel_rows`): channel ``c`` runs
+        rows, ptr: int64, the table rows of each channel in order (``fast._channel_rows``): channel ``c`` runs
             ``tab[rows[ptr[c]:ptr[c + 1]]]``.
         bits: uint16 WR_GB payloads; values: float32 WR_ACC payloads; out: float32 readbacks.
         c_lo, c_hi: the channels to run.
@@ -522,36 +460,3 @@ def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bit
 
 
 gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None
-
-
-def _scatter_sbk_py(mem_t, slots, ch, bank, col, imm, pay):  # pragma: no cover - compiled by numba
-    """WR_SBK of ``m`` single-channel bursts: ``mem_t[ch, slot, col*16 + lane, bank] = pay[t, lane]`` for every lane
-    set in ``imm[t]``; returns False, having written nothing, when two of them write the same element.
-
-    Args:
-        mem_t: uint16 [channels, slots, cols, banks]; slots, ch, bank, col, imm: int64 [m] (row slot, channel, bank,
-            burst, lane mask); pay: uint16 [m, 16].
-    """
-    m = ch.size
-    nb = mem_t.shape[3]
-    ns = mem_t.shape[1]
-    cols = mem_t.shape[2]
-    keys = np.empty(m * _LANES, np.int64)
-    n = 0
-    for t in range(m):
-        for ln in range(_LANES):
-            if (imm[t] >> ln) & 1:
-                keys[n] = ((ch[t] * nb + bank[t]) * ns + slots[t]) * cols + col[t] * _LANES + ln
-                n += 1
-    ks = np.sort(keys[:n])
-    for i in range(1, n):
-        if ks[i] == ks[i - 1]:
-            return False
-    for t in range(m):
-        for ln in range(_LANES):
-            if (imm[t] >> ln) & 1:
-                mem_t[ch[t], slots[t], col[t] * _LANES + ln, bank[t]] = pay[t, ln]
-    return True
-
-
-scatter_sbk = njit(cache=True, nogil=True)(_scatter_sbk_py) if AVAILABLE else None
