@@ -65,6 +65,23 @@ def test_gemv_run_binding_equals_per_instruction_binding(prog):
                 assert g.payload.dtype == w.payload.dtype and np.array_equal(g.payload.view(np.uint8), w.payload.view(np.uint8)), g.index
 
 
+def test_an_all_zero_accumulator_payload_is_shared_only_while_its_buffer_is_all_plus_zero(prog):
+    """The accumulator reset (WR_ACC from ZEROS) binds one shared +0 payload; a -0 in the buffer is bound as -0."""
+    t = SimTarget()
+    t.open()
+    r = Runner(prog, t)
+    runs = [run for run in _gemv_runs(r) if run.acc_buffers == ["zeros"]]
+    assert runs  # the programs reset accumulators from ZEROS (the check is not vacuous)
+    bits: dict = {}
+    first = runs[0].bind(0, lambda b: r._bits(b, bits), r.bufs).values
+    assert first.size and not first.view(np.uint32).any()
+    assert runs[0].bind(0, lambda b: r._bits(b, bits), r.bufs).values is first  # reused, not gathered again
+    r.bufs["zeros"][runs[0].acc_src[0]] = -0.0
+    got = runs[0].bind(0, lambda b: r._bits(b, bits), r.bufs).values
+    want = r.bufs["zeros"][runs[0].acc_src]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) and got.view(np.uint32)[0] == 0x80000000
+
+
 def _steps(prog, target, n=5):
     r = Runner(prog, target)
     r.reset()

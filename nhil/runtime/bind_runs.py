@@ -192,6 +192,7 @@ class GemvRun:
             src.append(start[o.buffer] + o.offset + np.arange(o.count))
             at += o.count
         self.acc_src = np.concatenate(src) if src else np.zeros(0, np.int64)
+        self._zero_values: np.ndarray | None = None  # WR_ACC payload when every source buffer is all +0 (bind)
 
     def __len__(self) -> int:
         return int(self.index.size)
@@ -220,6 +221,11 @@ class GemvRun:
         values = np.zeros(0, np.float32)
         if self.acc_buffers:
             parts = [np.asarray(bufs[b], dtype=np.float32) for b in self.acc_buffers]
-            allv = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            values = allv[self.acc_src]
+            if not any(p.view(np.uint32).any() for p in parts):  # every source all +0 (the accumulator reset: ZEROS)
+                if self._zero_values is None:  # one +0 payload per run, reused by every bind (read, never written)
+                    self._zero_values = np.zeros(self.acc_src.size, np.float32)
+                values = self._zero_values
+            else:
+                allv = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                values = allv[self.acc_src]
         return ResolvedGemvRun(self.index, self.fields, self.offset, bits, values, self, self.lanes)
