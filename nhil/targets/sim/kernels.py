@@ -87,6 +87,7 @@ def _dot16_py(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p
 
 _dot16 = njit(inline="always")(_dot16_py) if AVAILABLE else None
 
+
 def _copy_py(dst, src):  # pragma: no cover - compiled by numba
     """``dst[:] = src`` (1-d, same length), as a loop over slices: indices that start at 0 need no negative-index
     fix-up, so LLVM vectorises it (``a[e0 + i]`` with an ``e0`` of unknown sign kept it scalar: ~1.2 ns/element)."""
