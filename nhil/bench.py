@@ -183,11 +183,11 @@ def bench_model(name: str, tokens: int, gpu_gbs: float = 3350.0) -> dict:
     r["sim_warm_s_per_token"] = r["simulate_warm"]["seconds"] / positions
     r["kernel_threads"] = threads = getattr(runner.t.state, "kernel_threads", 1)
     if threads > 1:  # the same warm run with the GEMV kernel on one thread (the bits are the same)
-        runner.reset()  # a new bank state, reading NHIL_SIM_THREADS again: set its count after
-        runner.t.state.kernel_threads = 1
+        runner.t.state.kernel_threads = 1  # (reset restores the bank state in place: the count stays)
         t0 = time.perf_counter()
         run_greedy(runner, ids, tokens)
         r["sim_warm_1thread_s_per_token"] = (time.perf_counter() - t0) / positions
+        runner.t.state.kernel_threads = threads
     # baseline: PyTorch eager, one token per forward with a KV cache, same positions
     model = b.model
     with torch.no_grad():

@@ -62,6 +62,11 @@ class PimState:
         """Make ``mem_t`` (uint16 ``[channels, slots, cols, banks]``) the bank storage; ``mem`` its bank-major view."""
         self.mem_t = mem_t
         self.mem = mem_t.transpose(0, 3, 1, 2)  # [channels, banks, slots, cols], writes go through to mem_t
+        w = np.zeros(mem_t.shape[1], np.bool_)
+        old = getattr(self, "written", None)
+        if old is not None:
+            w[: old.size] = old
+        self.written = w  # [slots]: written since load_images finished (drop_decoded marks it; reload_images reads it)
 
     # ------------------------------------------------------------ row table
     def slot(self, row: int, allocate: bool) -> int:
@@ -254,7 +259,8 @@ class PimState:
 
     # ------------------------------------------------------------ quantized weights
     def drop_decoded(self, s: int) -> None:
-        """Forget decoded copies of row slot ``s`` (call on every write to it)."""
+        """Forget decoded copies of row slot ``s`` and mark it written (call on every write to it)."""
+        self.written[s] = True
         if self._qcache:
             for key in [k for k in self._qcache if k[0] == s]:
                 del self._qcache[key]
@@ -287,3 +293,30 @@ class PimState:
             self.drop_decoded(s)
             if img.data is not None:  # written in storage order (bank-minor): the destination's pages in sequence
                 self.mem_t[:, s] = np.asarray(img.data).transpose(0, 2, 1)
+        self.image_slots = self.n_slots  # slots [0, image_slots) hold the images; later ones are rows the program wrote
+        self.written[:] = False
+
+    def reload_images(self, images) -> list:
+        """Bring the state loaded by ``load_images(images)`` back to the state right after that call, rewriting only
+        what the program changed: the image slots written since (their image again, or zeros), and the rows first
+        written after the load (unallocated again, so they read as zero); GB, ACC, CFRs and counters zeroed.
+
+        ``images`` must be the list ``load_images`` wrote (``SimTarget.reload`` checks it is the same program).
+        Returns the images it rewrote (a subclass refreshes what it derives from them)."""
+        k = self.image_slots
+        for s in np.flatnonzero(self.written).tolist():
+            self.drop_decoded(s)
+        self.mem_t[:, k : self.n_slots] = 0
+        self.row_slot[self.row_slot >= k] = -1
+        self.n_slots = k
+        redo = [img for img in images if self.written[self.row_slot[img.row]]]
+        for img in redo:
+            s = int(self.row_slot[img.row])
+            self.mem_t[:, s] = 0 if img.data is None else np.asarray(img.data).transpose(0, 2, 1)
+        self.written[:] = False
+        self.gbs[:] = 0
+        self.accs[:] = 0
+        self.cfr[:] = 0
+        self.counts = {}
+        self.macs = 0
+        return redo

@@ -86,6 +86,15 @@ class FastPimState(PimState):
         """``PimState.load_images``, then :attr:`zero_rows` of each image: the channels whose part of the row is all
         zero bits (the padding of a GEMV whose outputs do not fill its last tile), which ``kernels.gemv_run`` may skip."""
         super().load_images(images)
+        self._mark_zero_rows(images)
+
+    def reload_images(self, images) -> list:
+        """``PimState.reload_images``, then :attr:`zero_rows` of the images it rewrote."""
+        redo = super().reload_images(images)
+        self._mark_zero_rows(redo)
+        return redo
+
+    def _mark_zero_rows(self, images) -> None:
         for img in images:
             if img.data is not None:
                 s = int(self.row_slot[img.row])
@@ -324,6 +333,7 @@ class FastPimState(PimState):
                 self.slot(r, allocate=True)
             slots = self.row_slot[row]
         self.zero_rows[:, slots] = False  # written: no longer known zero
+        self.written[slots] = True  # (what drop_decoded marks, which this path calls only with decoded rows cached)
         if self._qcache:
             for s in np.unique(slots).tolist():
                 self.drop_decoded(s)

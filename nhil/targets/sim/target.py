@@ -48,6 +48,26 @@ class SimTarget(Target):
         self.state = (PimState if self.reference else FastPimState)(dev, reserve_rows=len(program.bank_images) + 8)
         self.state.load_images(program.bank_images)
         self._digest = ReadbackDigest()
+        self._images = self._image_ids(program)
+
+    @staticmethod
+    def _image_ids(program: Program) -> list:
+        return [(id(img), img.row, id(img.data)) for img in program.bank_images]  # an image replaced or edited by assignment differs
+
+    def reload(self, program: Program) -> None:
+        """``Target.reload``: the same state as ``load(program)``, restoring only the rows the last run wrote
+        (``PimState.reload_images``) when ``program``'s bank images are the ones loaded (the same objects, rows and
+        data arrays); else ``load``.
+
+        Raises:
+            LoadError: as ``load``.
+        """
+        st = self.state
+        if st is None or getattr(self, "_images", None) != self._image_ids(program) or st.d != (self._fixed or program.device):
+            self.load(program)
+            return
+        st.reload_images(program.bank_images)
+        self._digest = ReadbackDigest()
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         st = self.state

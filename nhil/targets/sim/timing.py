@@ -46,6 +46,13 @@ class TimedSimTarget(SimTarget):
 
     def load(self, program: Program) -> None:
         super().load(program)
+        self._start(program)
+
+    def reload(self, program: Program) -> None:
+        super().reload(program)
+        self._start(program)
+
+    def _start(self, program: Program) -> None:
         self.program = program
         d = self.state.d
         self.engine = engine_for(program, d, self._table or timing_for(d))  # host/device overlap iff the program's passes hold host-overlap
