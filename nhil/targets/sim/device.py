@@ -8,7 +8,8 @@ State (``docs/isa.md`` section "State"):
   every bank of a channel contiguous: the SIMD axis of the fast path's MAC kernels,
   ``nhil.targets.sim.kernels``); ``mem`` is its ``[channels, banks, slots, cols]`` view, which every
   other reader and writer indexes. Every writer of a row slot calls ``drop_decoded(slot)`` first (cached
-  decoded rows, and the fast path's all-zero marks, are dropped there).
+  decoded rows, and the fast path's all-zero marks, are dropped there, and the slot is marked ``written``:
+  ``reload_images``, behind ``SimTarget.reload``, restores only the written slots for the next run).
 * ``GB[ch][i]``: global buffer, bf16 bits, ``gb_elems`` per channel; with the prefill extension ``vectors``
   of them, ``GB_j`` = ``gbs[j]`` (``gb`` is set 0).
 * ``ACC[ch][bank][k]``: fp32 accumulators; with the prefill extension (``DeviceConfig.vectors`` > 1)
