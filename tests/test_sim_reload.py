@@ -110,3 +110,15 @@ def test_reload_unallocates_rows_first_written_after_the_load(reference):
     assert t.state is state
     _assert_same_state(_state(t), want)
     assert t.read_row(0, 1, 9).any() == False and t.state.slot(9, allocate=False) == -1  # noqa: E712
+
+
+def test_a_timed_target_restarts_its_timing_engine_on_reload(program):
+    from nhil.targets.sim.timing import TimedSimTarget
+
+    t = TimedSimTarget(every=1)
+    r = Runner(program, t)
+    _run(r, 3)
+    first, state = list(t.step_cycles), t.state
+    assert len(first) == 3
+    _run(r, 3)  # reset -> reload in place: the engine starts again, so the same steps cost the same cycles
+    assert t.state is state and t.step_cycles == first

@@ -33,6 +33,7 @@ class SimTarget(Target):
         self.reference = bool(reference)
         self.state: PimState | None = None
         self._digest = ReadbackDigest()
+        self._images: list | None = None  # _image_ids of the loaded program
 
     @property
     def takes_runs(self) -> bool:
@@ -49,6 +50,10 @@ class SimTarget(Target):
         self.state.load_images(program.bank_images)
         self._digest = ReadbackDigest()
         self._images = self._image_ids(program)
+        self._started(program)
+
+    def _started(self, program: Program) -> None:
+        """Called once ``program`` is loaded or reloaded (a subclass restarts what it keeps per run)."""
 
     @staticmethod
     def _image_ids(program: Program) -> list:
@@ -63,11 +68,12 @@ class SimTarget(Target):
             LoadError: as ``load``.
         """
         st = self.state
-        if st is None or getattr(self, "_images", None) != self._image_ids(program) or st.d != (self._fixed or program.device):
+        if st is None or self._images != self._image_ids(program) or st.d != (self._fixed or program.device):
             self.load(program)
             return
         st.reload_images(program.bank_images)
         self._digest = ReadbackDigest()
+        self._started(program)
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
         st = self.state

@@ -44,15 +44,7 @@ class TimedSimTarget(SimTarget):
         self._on = True
         self.engine_seconds = 0.0  # wall time spent in the timing model (its cost)
 
-    def load(self, program: Program) -> None:
-        super().load(program)
-        self._start(program)
-
-    def reload(self, program: Program) -> None:
-        super().reload(program)
-        self._start(program)
-
-    def _start(self, program: Program) -> None:
+    def _started(self, program: Program) -> None:  # after load and reload: a new timing engine for the run
         self.program = program
         d = self.state.d
         self.engine = engine_for(program, d, self._table or timing_for(d))  # host/device overlap iff the program's passes hold host-overlap
