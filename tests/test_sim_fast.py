@@ -65,6 +65,45 @@ def test_kernel_equals_mac_bursts_on_random_and_special_values(special):
         assert np.isnan(got).any() and (_bits(got)[np.isnan(got)] == 0x7FC00000).all()  # the case exercised NaN canonicalisation
 
 
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("nv", [1, 5, 16])
+def test_multi_vector_kernel_equals_mac_bursts_per_vector(special, nv):
+    """MAC_ABV's core (``mac_bf16_vec``: the hand-written IR of ``simd.mac_rows16`` for 16 banks) == ``mac_bursts`` with
+    each vector's activations, bit for bit. The special case mixes every bf16 class in weights and activations, so
+    products overflow, underflow to subnormals and to zero: an FMA contraction or a flush to zero changes bits here."""
+    rng = np.random.default_rng(11 + special + nv)
+    C, B, R, cols, K = 3, 16, 2, 128, 2
+    if special:
+        mem = _special_bf16(rng, (C, B, R, cols))
+        gbs = _special_bf16(rng, (nv, C, cols))
+        accs = bf16_bits_to_f32(_special_bf16(rng, (nv, C, B, K))).copy()
+    else:
+        mem = f32_to_bf16_bits(rng.standard_normal((C, B, R, cols)).astype(np.float32) * np.float32(2.0) ** rng.integers(-60, 60, (C, B, R, cols)))
+        gbs = f32_to_bf16_bits(rng.standard_normal((nv, C, cols)).astype(np.float32))
+        accs = rng.standard_normal((nv, C, B, K)).astype(np.float32)
+    for c0, c1, s, k, col, n in [(0, 3, 1, 0, 0, 8), (1, 2, 0, 1, 3, 5), (0, 3, -1, 1, 2, 1)]:
+        want = accs.copy()
+        w = np.zeros((c1 - c0, B, n * 16), np.float32) if s < 0 else bf16_bits_to_f32(mem[c0:c1, :, s, col * 16 : (col + n) * 16])
+        for v in range(nv):
+            a = bf16_bits_to_f32(gbs[v, c0:c1, col * 16 : (col + n) * 16])[:, None, :]
+            want[v, c0:c1, :, k] = mac_bursts(want[v, c0:c1, :, k], w, a)
+        got = accs.copy()
+        kernels.mac_bf16_vec(_bank_minor(mem), gbs, got, c0, c1, s, k, col, n, nv)
+        assert np.array_equal(_bits(got), _bits(want)), (c0, s, col, n)
+        if special:  # the MAC'd accumulators hold NaNs, each the canonical one (the others keep their payloads)
+            t = got[:, c0:c1, :, k]
+            assert np.isnan(t).any() and (_bits(t)[np.isnan(t)] == 0x7FC00000).all()
+
+
+def test_simd_stamp_is_the_sha256_of_simd_py():
+    """numba caches ``kernels.py``'s functions keyed by that file alone; the IR they compile in lives in ``simd.py``,
+    so ``kernels.SIMD_STAMP`` must be that file's sha256 (else an edit of simd.py would run stale cached code)."""
+    from nhil.targets.sim import simd
+
+    assert kernels.SIMD_STAMP == simd.source_sha256(), f"set kernels.SIMD_STAMP = {simd.source_sha256()!r}"
+    assert kernels._CACHE
+
+
 def test_kernel_keeps_the_pairwise_order_hand_case():
     """Products [2^24, 1, 1, 1, 0...] sum to 2^24 + 2 with the tree (2^24 left to right): docs/numerics.md."""
     mem = np.zeros((1, 1, 1, 16), np.uint16)

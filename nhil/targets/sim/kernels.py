@@ -30,12 +30,15 @@ MAC cores take scratch allocated once per call (no allocation per MAC), the sing
 weight in a register as it multiplies (no stored copy of the burst), and a WR_ACC / RD_ACC addresses its bank without
 an integer modulo per element. Element loops run over slices from index 0 (:func:`_copy_py`: numba's negative-index
 fix-up of ``a[e0 + i]`` kept them scalar), and the single-vector core prefetches the bursts it reads next, across the
-4 KiB pages where the hardware prefetcher stops (:func:`_prefetch_typer`). SmolLM2 decode, same process: the GEMV runs
-40 -> 25 ms per token; 64-token prefill 1.31 -> 0.79 s.
+4 KiB pages where the hardware prefetcher stops (``simd.prefetch``). SmolLM2 decode, same process: the GEMV runs
+40 -> 25 ms per token; 64-token prefill 1.31 -> 0.79 s. The multi-vector core's bursts run in LLVM IR written by hand
+(``simd.mac_rows16``: each burst of the 16 banks widened once and held in registers for every vector; 15 -> 25 GMAC/s
+per core, same bits).
 
 Why one file: numba's on-disk cache (``cache=True``) is keyed by the source file of the cached function only, and
 :func:`gemv_run` compiles the MAC cores into itself; were the cores in another module, an edit there would leave
-``gemv_run``'s cached machine code stale. Everything else of the fast path's kernels lives outside (threads:
+``gemv_run``'s cached machine code stale. The IR intrinsics of ``simd`` are the one exception, guarded by
+``SIMD_STAMP`` (that file's sha256, checked by a test; a stale stamp turns the cache off). Everything else of the fast path's kernels lives outside (threads:
 ``kernel_threads``; the WR_SBK scatter: ``wr_sbk``; the per-channel table rows: ``fast``).
 
 ``AVAILABLE`` is False when numba is missing; the fast path then runs these MACs through the reference
@@ -45,17 +48,29 @@ numpy code (``PimState.step``).
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
 try:  # numba is a core dependency (pyproject); a missing one only costs speed
     from numba import njit
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised only without numba
     njit = None
 
 AVAILABLE = njit is not None
+
+# sha256 of simd.py, whose IR the cached kernels below compile in: numba keys their cache by this file only, so an
+# edit of simd.py must change this line (tests/test_sim_fast.py checks it); a stale stamp turns the cache off.
+SIMD_STAMP = "90551f15b671deb4805ef8841c272b49a8910dfe4b5614d0890f06cd6a365645"
+_CACHE = False  # numba's on-disk cache for the kernels of this file: on while SIMD_STAMP is current
+if AVAILABLE:
+    from nhil.targets.sim import simd
+
+    _prefetch, _mac_rows16 = simd.prefetch, simd.mac_rows16
+    _CACHE = simd.source_sha256() == SIMD_STAMP
+    if not _CACHE:
+        warnings.warn(f"nhil.targets.sim.kernels: SIMD_STAMP is not the sha256 of {simd.__file__}; the MAC kernels compile "
+                      f"without numba's disk cache until it is set to {simd.source_sha256()!r}", stacklevel=1)
 
 _LANES = 16  # MAC lanes per bank = bf16 elements per burst (DeviceConfig.lanes of every preset)
 _BANKS = 16  # banks per channel of every preset: the SIMD width of the all-bank path
@@ -110,33 +125,6 @@ _PREFETCH_BURSTS = 8  # bursts ahead of the MAC that the single-vector core asks
 _LINE_ELEMS = 32  # uint16 elements of mem_t per 64-byte cache line (a burst of 16 banks: 8 lines)
 
 
-def _prefetch_codegen(context, builder, signature, args):  # pragma: no cover - runs inside numba's compiler
-    aty = signature.args[0]
-    ary = context.make_array(aty)(context, builder, args[0])
-    idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
-    ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False, boundscheck=False)
-    i32 = ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]), "llvm.prefetch.p0")
-    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep in all levels, data
-    return context.get_dummy_value()
-
-
-def _prefetch_typer(typingctx, arr, i0, i1, i2, i3):
-    """``_prefetch(a, i0, i1, i2, i3)``: a hint that ``a[i0, i1, i2, i3]`` (a 4-d array) will be read soon (LLVM's
-    ``llvm.prefetch``: no value, no fault, no effect on any result; an address past the array is only a wasted hint).
-
-    Why: a MAC streams one bank row per channel, 18-32 KiB at a time, from rows that lie ``slots x 32 KiB`` apart; the
-    hardware prefetcher starts over at every 4 KiB page, so a single thread read SmolLM2's rows at ~6 GB/s and with
-    the hint at ~9-10 GB/s (cold 256 MB microbenchmark, one thread)."""
-    if not isinstance(arr, types.Array) or arr.ndim != 4:
-        return None
-    return types.void(arr, i0, i1, i2, i3), _prefetch_codegen
-
-
-if AVAILABLE:
-    from llvmlite import ir
-
-    _prefetch = intrinsic(_prefetch_typer)
 
 
 def _mac_all_banks_py(mem_t, gb, acc, c, s, k, col, n, x, s2, col2):  # pragma: no cover - compiled by numba
@@ -233,51 +221,40 @@ def _mac_bf16_py(mem_t, gb, acc, c0, c1, b0, b1, s, k, col, n):  # pragma: no co
             acc[c, b, k] = _canonical(y)
 
 
-mac_bf16 = njit(cache=True, nogil=True)(_mac_bf16_py) if AVAILABLE else None
+mac_bf16 = njit(cache=_CACHE, nogil=True)(_mac_bf16_py) if AVAILABLE else None
 _mac_bf16 = mac_bf16  # the compiled kernel that mac_bf16_vec and gemv_run call (a test may replace the module's mac_bf16)
 
 
-def _mac_vec_channel_py(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs):  # pragma: no cover - compiled by numba
+def _mac_vec_channel_py(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, xs):  # pragma: no cover - compiled by numba
     """In place, MAC_ABV on channel ``c`` (16 banks): ``accs[j, c, b, k]`` for j < nv absorbs bursts [col, col+n) of row
-    slot ``s`` against the same bursts of ``gbs[j, c]``; each burst of every bank is widened once (into ``wbuf``) and
-    serves every vector, each vector's activations are widened once per call (into ``abuf``).
+    slot ``s`` against the same bursts of ``gbs[j, c]``. Each vector's activations are widened once per call (into
+    ``abuf``); the bursts run in :func:`simd.mac_rows16 <nhil.targets.sim.simd.mac_rows16>`, which widens each burst
+    of the 16 banks once and holds it in registers for every vector.
 
     Args:
-        mem_t: uint16 [channels, row slots, cols, 16 banks]; gbs: uint16 [sets, channels, gb_elems]; accs: float32
-            [sets, channels, 16 banks, accumulators]; s: row slot (-1: reads as +0);
-        abuf: uint32 [>= nv, >= 16 n], wbuf: uint32 [256], xs: float32 [>= nv, 16] scratch.
+        mem_t: uint16 [channels, row slots, cols, 16 banks] (C layout); gbs: uint16 [sets, channels, gb_elems]; accs:
+            float32 [sets, channels, 16 banks, accumulators]; s: row slot (-1: a row never written, reads as +0);
+        abuf: uint32 [>= nv, >= 16 n] and xs: float32 [>= nv, 16] scratch, both C layout.
     """
     af = abuf.view(np.float32)
-    w = wbuf.view(np.float32)
     e0 = col * _LANES
     for v in range(nv):
         _widen(abuf[v, : _LANES * n], gbs[v, c, e0 : e0 + _LANES * n])
         for b in range(_BANKS):
             xs[v, b] = accs[v, c, b, k]
-    ss = max(s, 0)
-    for j in range(n):
-        q = e0 + j * _LANES
-        if s >= 0:
-            for i in range(_LANES):
+    if s >= 0:
+        _mac_rows16(mem_t, c, s, e0, n, abuf, abuf.shape[1], xs, nv)
+    else:  # a row never written: every weight +0 (0 * a is still computed: inf or NaN activations give NaN)
+        z = np.float32(0.0)
+        for j in range(n):
+            o = j * _LANES
+            for v in range(nv):
+                d = _dot16(z * af[v, o], z * af[v, o + 1], z * af[v, o + 2], z * af[v, o + 3],
+                           z * af[v, o + 4], z * af[v, o + 5], z * af[v, o + 6], z * af[v, o + 7],
+                           z * af[v, o + 8], z * af[v, o + 9], z * af[v, o + 10], z * af[v, o + 11],
+                           z * af[v, o + 12], z * af[v, o + 13], z * af[v, o + 14], z * af[v, o + 15])
                 for b in range(_BANKS):
-                    wbuf[i * _BANKS + b] = np.uint32(mem_t[c, ss, q + i, b]) << np.uint32(16)
-        else:
-            for t in range(_LANES * _BANKS):
-                wbuf[t] = 0
-        o = j * _LANES
-        for v in range(nv):
-            a0, a1, a2, a3 = af[v, o], af[v, o + 1], af[v, o + 2], af[v, o + 3]
-            a4, a5, a6, a7 = af[v, o + 4], af[v, o + 5], af[v, o + 6], af[v, o + 7]
-            a8, a9, a10, a11 = af[v, o + 8], af[v, o + 9], af[v, o + 10], af[v, o + 11]
-            a12, a13, a14, a15 = af[v, o + 12], af[v, o + 13], af[v, o + 14], af[v, o + 15]
-            for b in range(_BANKS):
-                d = _dot16(
-                    w[b] * a0, w[16 + b] * a1, w[32 + b] * a2, w[48 + b] * a3,
-                    w[64 + b] * a4, w[80 + b] * a5, w[96 + b] * a6, w[112 + b] * a7,
-                    w[128 + b] * a8, w[144 + b] * a9, w[160 + b] * a10, w[176 + b] * a11,
-                    w[192 + b] * a12, w[208 + b] * a13, w[224 + b] * a14, w[240 + b] * a15,
-                )
-                xs[v, b] = xs[v, b] + d
+                    xs[v, b] = xs[v, b] + d
     for v in range(nv):
         for b in range(_BANKS):
             accs[v, c, b, k] = _canonical(xs[v, b])
@@ -302,13 +279,12 @@ def _mac_bf16_vec_py(mem_t, gbs, accs, c0, c1, s, k, col, n, nv):  # pragma: no 
             _mac_bf16(mem_t, gbs[v], accs[v], c0, c1, 0, nb, s, k, col, n)
         return
     abuf = np.empty((nv, _LANES * n), np.uint32)
-    wbuf = np.empty(_LANES * _BANKS, np.uint32)
     xs = np.empty((nv, _BANKS), np.float32)
     for c in range(c0, c1):
-        _mac_vec_channel(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs)
+        _mac_vec_channel(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, xs)
 
 
-mac_bf16_vec = njit(cache=True, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
+mac_bf16_vec = njit(cache=_CACHE, nogil=True)(_mac_bf16_vec_py) if AVAILABLE else None
 _mac_bf16_vec = mac_bf16_vec  # the compiled kernel gemv_run calls (a test may replace the module's mac_bf16_vec)
 
 
@@ -344,12 +320,12 @@ def _zero_row_mac_is_noop_py(gb, acc, c, b0, b1, k, col, n):  # pragma: no cover
 _zero_row_mac_is_noop = njit(inline="always")(_zero_row_mac_is_noop_py) if AVAILABLE else None
 
 
-def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c, x, abuf, wbuf, xs):  # pragma: no cover - compiled by numba
+def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c, x, abuf, xs):  # pragma: no cover - compiled by numba
     """:func:`_gemv_run_py` restricted to channel ``c``: every instruction of the run, in order, on that channel's
     share of it only (a WR_ACC / RD_ACC's elements ``q`` with ``c0 + q // banks == c``). A MAC on a row whose part
     in channel ``c`` is all ``+0`` (``zero_rows[c, slot]``, or a row never written) is skipped where that provably
     changes no bit (:func:`_zero_row_mac_is_noop_py`): the padding rows of a GEMV whose outputs do not fill its last
-    tile of channels x banks. ``x``, ``abuf``, ``wbuf``, ``xs``: the MAC cores' scratch (:func:`_gemv_run_py`)."""
+    tile of channels x banks. ``x``, ``abuf``, ``xs``: the MAC cores' scratch (:func:`_gemv_run_py`)."""
     nb = accs.shape[2]
     all_banks = nb == _BANKS and mem_t.shape[3] == _BANKS
     nxt = ptr[c]  # the channel's next all-bank MAC after ri (whose first bursts a MAC prefetches)
@@ -390,7 +366,7 @@ def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, 
                 if noop:
                     continue
             if all_banks:
-                _mac_vec_channel(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, wbuf, xs)
+                _mac_vec_channel(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, xs)
             else:
                 _mac_bf16_vec(mem_t, gbs, accs, c, c + 1, s, k, col, n, nv)
         elif code == G_WR_GB:
@@ -425,7 +401,7 @@ def _gemv_run_channel_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, 
 
 
 
-_gemv_run_channel = njit(cache=True, nogil=True)(_gemv_run_channel_py) if AVAILABLE else None
+_gemv_run_channel = njit(cache=_CACHE, nogil=True)(_gemv_run_channel_py) if AVAILABLE else None
 
 
 def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c_lo, c_hi):  # pragma: no cover - compiled by numba
@@ -454,10 +430,9 @@ def _gemv_run_py(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bit
     """
     x = np.empty(_BANKS, np.float32)  # scratch of the MAC cores, allocated once per call (per thread)
     abuf = np.empty((gbs.shape[0], gbs.shape[2]), np.uint32)
-    wbuf = np.empty(_LANES * _BANKS, np.uint32)
     xs = np.empty((gbs.shape[0], _BANKS), np.float32)
     for c in range(c_lo, c_hi):
-        _gemv_run_channel(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c, x, abuf, wbuf, xs)
+        _gemv_run_channel(mem_t, row_slot, zero_rows, gbs, accs, cfr, tab, rows, ptr, bits, values, out, c, x, abuf, xs)
 
 
-gemv_run = njit(cache=True, nogil=True)(_gemv_run_py) if AVAILABLE else None
+gemv_run = njit(cache=_CACHE, nogil=True)(_gemv_run_py) if AVAILABLE else None
