@@ -233,3 +233,20 @@ def test_wr_sbk_runs_overlapping_and_masked_equal_the_reference():
             outs.append((t.execute([ResolvedInstr(i + split, ins, p) for i, (ins, p) in enumerate(items[split:])]), t.read_row(0, 1, 5), t.stats()))
         assert np.array_equal(outs[0][1], outs[1][1]) and outs[0][2] == outs[1][2]
         assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(outs[0][0], outs[1][0]))
+
+
+def test_wr_sbk_scatter_refuses_only_lanes_written_twice():
+    """The scatter's check works per burst: disjoint lane masks on one burst are one scatter (both written), one lane
+    written twice refuses the whole run and writes nothing (``step`` then runs it in order). Hand case."""
+    from nhil.targets.sim import wr_sbk
+
+    mem = np.zeros((2, 3, 64, 16), np.uint16)
+    i64 = lambda *v: np.array(v, np.int64)  # noqa: E731
+    pay = np.arange(1, 49, dtype=np.uint16).reshape(3, 16)
+    # bursts: (ch 1, slot 2, bank 5, burst 1) twice with masks 0x00FF / 0xFF00, and (ch 0, slot 2, bank 5, burst 1) once
+    assert wr_sbk.scatter_sbk(mem, i64(2, 2, 2), i64(1, 1, 0), i64(5, 5, 5), i64(1, 1, 1), i64(0x00FF, 0xFF00, 0x0001), pay)
+    assert mem[1, 2, 16:24, 5].tolist() == list(range(1, 9)) and mem[1, 2, 24:32, 5].tolist() == list(range(25, 33))
+    assert mem[0, 2, 16, 5] == 33 and np.count_nonzero(mem) == 17
+    fresh = np.zeros_like(mem)  # lane 8 of the first burst in both masks: refused, nothing written
+    assert not wr_sbk.scatter_sbk(fresh, i64(2, 2, 2), i64(1, 0, 1), i64(5, 5, 5), i64(1, 1, 1), i64(0x01FF, 0x0001, 0xFF00), pay)
+    assert not fresh.any()

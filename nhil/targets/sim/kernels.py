@@ -61,12 +61,12 @@ AVAILABLE = njit is not None
 
 # sha256 of simd.py, whose IR the cached kernels below compile in: numba keys their cache by this file only, so an
 # edit of simd.py must change this line (tests/test_sim_fast.py checks it); a stale stamp turns the cache off.
-SIMD_STAMP = "90551f15b671deb4805ef8841c272b49a8910dfe4b5614d0890f06cd6a365645"
+SIMD_STAMP = "8103cb2f9433f59d4fca24e9cec88d4ee8b1dba47c571b6ac793deccde3f3ee0"
 _CACHE = False  # numba's on-disk cache for the kernels of this file: on while SIMD_STAMP is current
 if AVAILABLE:
     from nhil.targets.sim import simd
 
-    _prefetch, _mac_rows16 = simd.prefetch, simd.mac_rows16
+    _prefetch, _mac_rows16, _widen_gb = simd.prefetch, simd.mac_rows16, simd.widen_gb
     _CACHE = simd.source_sha256() == SIMD_STAMP
     if not _CACHE:
         warnings.warn(f"nhil.targets.sim.kernels: SIMD_STAMP is not the sha256 of {simd.__file__}; the MAC kernels compile "
@@ -238,8 +238,8 @@ def _mac_vec_channel_py(mem_t, gbs, accs, c, s, k, col, n, nv, abuf, xs):  # pra
     """
     af = abuf.view(np.float32)
     e0 = col * _LANES
+    _widen_gb(abuf, gbs, c, e0, n, nv)
     for v in range(nv):
-        _widen(abuf[v, : _LANES * n], gbs[v, c, e0 : e0 + _LANES * n])
         for b in range(_BANKS):
             xs[v, b] = accs[v, c, b, k]
     if s >= 0:

@@ -1,9 +1,10 @@
 """LLVM IR intrinsics of the simulator's MAC kernels (``nhil.targets.sim.kernels``), written where numba's own
 loop code does not reach the machine's arithmetic rate.
 
-Two intrinsics, each usable only inside a numba-compiled function:
+Three intrinsics, each usable only inside a numba-compiled function:
 
 * :func:`prefetch` ``(a, i0, i1, i2, i3)``: a cache hint for ``a[i0, i1, i2, i3]``;
+* :func:`widen_gb` ``(abuf, gbs, c, e0, n, nv)``: a channel's bf16 activations of every vector to fp32 bits;
 * :func:`mac_rows16` ``(mem_t, c, s, e0, n, abuf, astride, xs, nv)``: the core of ``MAC_ABV`` on one channel of
   16 banks (``docs/isa.md`` "Prefill extension", arithmetic of ``docs/numerics.md`` "MAC").
 
@@ -69,6 +70,44 @@ def prefetch(typingctx, arr, i0, i1, i2, i3):
     if not isinstance(arr, types.Array) or arr.ndim != 4:
         return None
     return types.void(arr, i0, i1, i2, i3), _prefetch_codegen
+
+
+def _widen_gb_codegen(context, builder, signature, args):  # pragma: no cover - runs inside numba's compiler
+    aty, gty = signature.args[0], signature.args[1]
+    abuf = context.make_array(aty)(context, builder, args[0])
+    gbs = context.make_array(gty)(context, builder, args[1])
+    c, e0, n, nv = (context.cast(builder, v, t, types.intp) for v, t in zip(args[2:], signature.args[2:]))
+    intp = context.get_value_type(types.intp)
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    v16h, v16i = ir.VectorType(i16, _LANES), ir.VectorType(i32, _LANES)
+    shift = ir.Constant(v16i, [16] * _LANES)
+    astride = builder.extract_value(abuf.shape, 1)
+    a0 = builder.bitcast(abuf.data, i32.as_pointer())
+    with cgutils.for_range(builder, nv) as vl:
+        v = vl.index
+        src = cgutils.get_item_pointer(context, builder, gty, gbs, [v, c, e0], wraparound=False, boundscheck=False)
+        dst = builder.gep(a0, [builder.mul(v, astride)])
+        with cgutils.for_range(builder, n) as jl:
+            o = builder.mul(jl.index, ir.Constant(intp, _LANES))
+            h = builder.load(builder.bitcast(builder.gep(src, [o]), v16h.as_pointer()), align=2)
+            builder.store(builder.shl(builder.zext(h, v16i), shift), builder.bitcast(builder.gep(dst, [o]), v16i.as_pointer()), align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def widen_gb(typingctx, abuf, gbs, c, e0, n, nv):
+    """In place, inside numba code: ``abuf[v, 16 j + i] = gbs[v, c, e0 + 16 j + i] << 16`` for v < nv, j < n, i < 16:
+    the bf16 activations of bursts [e0 / 16, e0 / 16 + n) of every vector, as fp32 bits, one 16-lane vector op per
+    burst (numba's loop for it ran scalar, ~1 element per cycle).
+
+    Args (unchecked: the caller guarantees them): abuf: uint32 [>= nv, >= 16 n] C-contiguous; gbs: uint16
+    [sets >= nv, channels, gb_elems] C-contiguous, e0 + 16 n <= gb_elems; c: channel.
+    """
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (abuf, gbs)):
+        return None
+    if (abuf.ndim, gbs.ndim) != (2, 3) or abuf.dtype != types.uint32 or gbs.dtype != types.uint16:
+        return None
+    return types.void(abuf, gbs, c, e0, n, nv), _widen_gb_codegen
 
 
 def _mac_rows16_codegen(context, builder, signature, args):  # pragma: no cover - runs inside numba's compiler

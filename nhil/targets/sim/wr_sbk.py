@@ -18,22 +18,27 @@ def _scatter_sbk_py(mem_t, slots, ch, bank, col, imm, pay):  # pragma: no cover 
     Args:
         mem_t: uint16 [channels, slots, cols, banks]; slots, ch, bank, col, imm: int64 [m] (row slot, channel, bank,
             burst, lane mask); pay: uint16 [m, 16].
+
+    The check sorts the m burst keys and ORs the lane masks of equal ones (a KV append of a 64-token prompt: ~1.5 k
+    bursts per layer; sorting every element's key instead, 16x as many, took ~2 ms of each layer's append).
     """
     m = ch.size
     nb = mem_t.shape[3]
     ns = mem_t.shape[1]
-    cols = mem_t.shape[2]
-    keys = np.empty(m * _LANES, np.int64)
-    n = 0
+    bursts = mem_t.shape[2] // _LANES
+    keys = np.empty(m, np.int64)  # one key per burst: two writes can meet only in the same burst of the same row
     for t in range(m):
-        for ln in range(_LANES):
-            if (imm[t] >> ln) & 1:
-                keys[n] = ((ch[t] * nb + bank[t]) * ns + slots[t]) * cols + col[t] * _LANES + ln
-                n += 1
-    ks = np.sort(keys[:n])
-    for i in range(1, n):
-        if ks[i] == ks[i - 1]:
+        keys[t] = ((ch[t] * nb + bank[t]) * ns + slots[t]) * bursts + col[t]
+    order = np.argsort(keys)
+    seen = np.int64(0)  # lanes of the current burst written so far
+    for i in range(m):
+        t = order[i]
+        if i == 0 or keys[t] != keys[order[i - 1]]:
+            seen = 0
+        msk = imm[t] & ((1 << _LANES) - 1)
+        if seen & msk:
             return False
+        seen |= msk
     for t in range(m):
         for ln in range(_LANES):
             if (imm[t] >> ln) & 1:
