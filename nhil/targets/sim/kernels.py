@@ -33,7 +33,7 @@ fix-up of ``a[e0 + i]`` kept them scalar), and the single-vector core prefetches
 4 KiB pages where the hardware prefetcher stops (``simd.prefetch``). SmolLM2 decode, same process: the GEMV runs
 40 -> 25 ms per token; 64-token prefill 1.31 -> 0.79 s. The multi-vector core's bursts run in LLVM IR written by hand
 (``simd.mac_rows16``: each burst of the 16 banks widened once and held in registers for every vector; 15 -> 25 GMAC/s
-per core, same bits).
+per core on L2-resident rows, same bits), its activations widened by ``simd.widen_gb`` (numba's loop for it ran scalar).
 
 Why one file: numba's on-disk cache (``cache=True``) is keyed by the source file of the cached function only, and
 :func:`gemv_run` compiles the MAC cores into itself; were the cores in another module, an edit there would leave
