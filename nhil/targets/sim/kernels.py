@@ -61,7 +61,7 @@ AVAILABLE = njit is not None
 
 # sha256 of simd.py, whose IR the cached kernels below compile in: numba keys their cache by this file only, so an
 # edit of simd.py must change this line (tests/test_sim_fast.py checks it); a stale stamp turns the cache off.
-SIMD_STAMP = "8103cb2f9433f59d4fca24e9cec88d4ee8b1dba47c571b6ac793deccde3f3ee0"
+SIMD_STAMP = "f4a8c8141cfd42562b485190218430505ae66dde86cd67fc03844564251f6368"
 _CACHE = False  # numba's on-disk cache for the kernels of this file: on while SIMD_STAMP is current
 if AVAILABLE:
     from nhil.targets.sim import simd

@@ -12,8 +12,9 @@ Why IR for ``mac_rows16``: for every burst, the 16 lane vectors of the channel's
 per lane, bank ``b`` in element ``b``) are widened once and then held in registers while every token vector's
 16 activations are broadcast against them. Numba's loops reload those 16 vectors from memory for every token
 vector (LLVM cannot prove that the accumulator stores do not alias them) and widen the weights with scalar
-code: 15 GMAC/s on one Emerald Rapids core, against 32 GMAC/s for this code (``/tmp`` microbenchmarks of this
-session, 16 vectors x 64 bursts x 16 channels; see ``make bench`` for the end-to-end effect).
+code: 15 GMAC/s on one Emerald Rapids core, against 25-28 GMAC/s for this code (a microbenchmark of 16 vectors x
+36 bursts per channel on L2-resident rows; a C loop with intrinsics reached 32). In SmolLM2's 64-token prefill, same
+machine, alternating runs: 10.0-10.6x -> 6.2-7.9x eager (``make bench``'s prefill row).
 
 The arithmetic is the contract's and nothing else: each product is one ``fmul`` of two ``float`` values (bf16
 bits ``<< 16``), the 16 products of a burst are summed by ``fadd`` in the fixed pairwise tree
