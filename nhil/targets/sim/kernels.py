@@ -61,7 +61,7 @@ AVAILABLE = njit is not None
 
 # sha256 of simd.py, whose IR the cached kernels below compile in: numba keys their cache by this file only, so an
 # edit of simd.py must change this line (tests/test_sim_fast.py checks it); a stale stamp turns the cache off.
-SIMD_STAMP = "f4a8c8141cfd42562b485190218430505ae66dde86cd67fc03844564251f6368"
+SIMD_STAMP = "9a87041ff73687bf0c92cb1fd7975d0326177db8ed504e4bb6a23b883ad00e67"
 _CACHE = False  # numba's on-disk cache for the kernels of this file: on while SIMD_STAMP is current
 if AVAILABLE:
     from nhil.targets.sim import simd
@@ -123,8 +123,6 @@ _widen = njit(inline="always")(_widen_py) if AVAILABLE else None
 
 _PREFETCH_BURSTS = 8  # bursts ahead of the MAC that the single-vector core asks the cache for (8 x 512 B = 4 KiB: one page)
 _LINE_ELEMS = 32  # uint16 elements of mem_t per 64-byte cache line (a burst of 16 banks: 8 lines)
-
-
 
 
 def _mac_all_banks_py(mem_t, gb, acc, c, s, k, col, n, x, s2, col2):  # pragma: no cover - compiled by numba

@@ -49,14 +49,20 @@ _BANKS = 16  # banks per channel = elements of one lane vector
 _PREFETCH_BURSTS = 8  # bursts ahead that mac_rows16 hints into the cache (8 x 512 B = 4 KiB, one page)
 
 
+def _prefetch_hint(builder, ptr) -> None:
+    """Emit ``llvm.prefetch`` (read, keep in all cache levels, data) of ``ptr``, declared once per module as taking an
+    ``i8*`` whatever ``ptr`` points to (one declaration serves every caller in a module)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _prefetch_codegen(context, builder, signature, args):  # pragma: no cover - runs inside numba's compiler
     aty = signature.args[0]
     ary = context.make_array(aty)(context, builder, args[0])
     idx = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
     ptr = cgutils.get_item_pointer(context, builder, aty, ary, idx, wraparound=False, boundscheck=False)
-    i32 = ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]), "llvm.prefetch.p0")
-    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep in all levels, data
+    _prefetch_hint(builder, ptr)
     return context.get_dummy_value()
 
 
@@ -130,8 +136,6 @@ def _mac_rows16_codegen(context, builder, signature, args):  # pragma: no cover 
     shift = ir.Constant(v16i, [16] * _BANKS)
     zeros_mask = ir.Constant(ir.VectorType(i32, _BANKS), [0] * _BANKS)
     undef = ir.Constant(v16f, ir.Undefined)
-    i8p = ir.IntType(8).as_pointer()
-    pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
     with cgutils.for_range(builder, n) as jl:
         j = jl.index
         base = builder.mul(j, ir.Constant(intp, _LANES * _BANKS))
@@ -144,7 +148,7 @@ def _mac_rows16_codegen(context, builder, signature, args):  # pragma: no cover 
         ahead = builder.add(base, ir.Constant(intp, _PREFETCH_BURSTS * _LANES * _BANKS))
         for line in range(_LANES * _BANKS * 2 // 64):
             p = builder.gep(row, [builder.add(ahead, ir.Constant(intp, line * 32))])
-            builder.call(pf, [builder.bitcast(p, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            _prefetch_hint(builder, p)
         off = builder.mul(j, ir.Constant(intp, _LANES))
         with cgutils.for_range(builder, nv) as vl:
             v = vl.index
