@@ -39,7 +39,9 @@ from nhil.runtime.bind_runs import GemvRun, KvRun, is_gemv_member, is_run_member
 from nhil.runtime.host_batch import BATCHED, group_host_calls
 from nhil.runtime.host_kernels import KERNELS
 from nhil.runtime.host_threads import one_thread, serial_ok
-from nhil.targets.base import ResolvedInstr, Target
+from nhil.runtime.readback_scatter import ReadbackScatter
+from nhil.runtime.token_rows import rows_of, token_rows
+from nhil.targets.base import ReadbackRun, ResolvedInstr, Target
 
 _INSTR_NEW = tuple.__new__  # builds a bound Instr from its 11 fields in one call (NamedTuple._replace costs three)
 
@@ -61,7 +63,10 @@ class Runner:
         for h in program.host_ops:
             if h.kernel not in KERNELS:
                 raise RunError(f"program calls unknown host kernel {h.kernel!r}; this nhil has {', '.join(sorted(KERNELS))}")
-        self.bufs = {n: np.zeros(c, np.float32) for n, c in program.buffers.items()}
+        pf = program.info.get("prefill") if isinstance(program.info, dict) else None
+        self.prefill_tokens = int(pf["tokens"]) if pf else 0  # a prefill program (nhil.compiler.prefill): tokens per run
+        # a prefill program's T copies of a tensor are the rows of one [T, n] array (nhil.runtime.token_rows)
+        self.bufs, self._rows = token_rows(program.buffers, self.prefill_tokens)
         self.raw = frozenset(program.info.get("raw_buffers", ()))
         # writable copies: a decoded program's images are read-only views of the file bytes
         self.images = {n: np.array(a, dtype=np.float32) for n, a in program.host_images.items()}
@@ -109,8 +114,8 @@ class Runner:
         self._serial: dict[int, bool] = {}  # host op -> runs on one torch thread (nhil.runtime.host_threads)
         self._geom = (self.d.slots, self.d.banks, self.d.lanes, self.d.cols)
         self._sizes = {n: int(c) for n, c in program.buffers.items()}
-        pf = program.info.get("prefill") if isinstance(program.info, dict) else None
-        self.prefill_tokens = int(pf["tokens"]) if pf else 0  # a prefill program (nhil.compiler.prefill): tokens per run
+        self._scatters: dict[int, ReadbackScatter | None] = {}  # id(segment) -> its readbacks' gathers (or None: slice by slice)
+        self._group_io: dict[int, tuple] = {}  # id(host group) -> its inputs and outputs (:meth:`_run_host_group`)
         self._host_token = list(pf["host_token"]) if pf else None
         self._prefill_segments: list | None = None  # self.segments with batched host calls (nhil.runtime.host_batch)
 
@@ -350,6 +355,17 @@ class Runner:
                 rbs = self.t.execute(block)
                 if len(rbs) != len(reads):
                     raise RunError(f"target {self.t.name} returned {len(rbs)} readbacks for a block with {len(reads)} read instructions")
+                if rbs.__class__ is ReadbackRun:  # end to end in one array: a few gathers (nhil.runtime.readback_scatter)
+                    sc = self._scatters.get(id(seg), False)
+                    if sc is False or (sc is not None and sc.spans is not rbs.spans):
+                        try:
+                            sc = ReadbackScatter(reads, rbs.spans, self.bufs, self._rows)
+                        except ValueError:
+                            sc = None
+                        self._scatters[id(seg)] = sc
+                    if sc is not None:
+                        sc.apply(rbs.flat)
+                        continue
                 for (buf, off, cnt, sbk), data in zip(reads, rbs):
                     if sbk:  # bank words are bf16 bits: decode them (docs/isa.md RD_SBK)
                         data = bf16_bits_to_f32(np.asarray(data, dtype=np.uint16))
@@ -361,10 +377,17 @@ class Runner:
         hs = [self.p.host_ops[i] for i in group]
         h = hs[0]
         b = BATCHED[h.kernel]
+        io = self._group_io.get(id(group))
+        if io is None:  # per input: shared, the [T, n] token rows, or per-member names; per output: rows or buffers
+            names = [[m.inputs[p] for m in hs] for p in range(len(h.inputs))]
+            ins_rows = [None if p in b.shared else rows_of(ns, self._rows) for p, ns in enumerate(names)]
+            outs = [rows_of([m.outputs[j] for m in hs], self._rows) for j in range(len(h.outputs))]
+            outs = [o if o is not None else [self.bufs[m.outputs[j]] for m in hs] for j, o in enumerate(outs)]
+            io = self._group_io[id(group)] = (names, ins_rows, outs)
+        names, ins_rows, outs = io
         ctxs = [{"token": ctx["tokens"][ht[i]], "pos": pos + ht[i], "tokens": ctx["tokens"]} for i in group]
-        ins = [self._val(n, ctxs[0]) if p in b.shared else [self._val(m.inputs[p], c) for m, c in zip(hs, ctxs)]
-               for p, n in enumerate(h.inputs)]
-        outs = [[self.bufs[m.outputs[j]] for m in hs] for j in range(len(h.outputs))]
+        ins = [self._val(n[0], ctxs[0]) if p in b.shared else ins_rows[p] if ins_rows[p] is not None
+               else [self._val(m, c) for m, c in zip(n, ctxs)] for p, n in enumerate(names)]
         try:
             with one_thread():
                 b.fn(ins, outs, **h.attrs)

@@ -39,13 +39,20 @@ from nhil.runtime.host_kernels import _ops, masked_softmax_rows
 ALIGN = 64  # per-token element count that keeps every element of a transcendental on ATen's vector path
 
 
-def _stack(rows: list) -> torch.Tensor:
-    """fp32 [T, n] of T host buffers of n elements each."""
+def _stack(rows) -> torch.Tensor:
+    """fp32 [T, n] of T host buffers of n elements each: a list of them, or their token rows (a float32 ``[T, n]``
+    array, ``nhil.runtime.token_rows``: no copy; the reference kernels do not write their inputs)."""
+    if isinstance(rows, np.ndarray):
+        return torch.from_numpy(rows)
     return torch.from_numpy(np.stack([np.asarray(r, dtype=np.float32).reshape(-1) for r in rows]))
 
 
-def _scatter(y: torch.Tensor, outs: list) -> None:
-    """Row t of ``y`` (any shape with T leading rows once flattened to [T, -1]) into output buffer ``outs[t]``."""
+def _scatter(y: torch.Tensor, outs) -> None:
+    """Row t of ``y`` (any shape with T leading rows once flattened to [T, -1]) into output buffer ``outs[t]``
+    (a list of buffers, or their token rows: one copy)."""
+    if isinstance(outs, np.ndarray):
+        outs[...] = y.reshape(outs.shape[0], -1).numpy()
+        return
     rows = y.reshape(len(outs), -1).numpy()
     for o, r in zip(outs, rows):
         o[:] = r
@@ -57,7 +64,8 @@ class Batched:
 
     Attributes:
         fn: ``fn(ins, outs, **attrs)``: ``ins[i]`` the list of T per-token values of input ``i`` (a shared input:
-            its one value), ``outs[j]`` the T output arrays of output ``j``.
+            its one value; T buffers that are token rows: their float32 ``[T, n]`` array), ``outs[j]`` the T output
+            arrays of output ``j`` (or their ``[T, n]`` token rows).
         shared: input positions every token reads from the same buffer or image (weights, tables); the group
             must name the same one in every member.
         transcendental: per-token sizes (of the outputs; ``fn`` computes a transcendental over them) that must be

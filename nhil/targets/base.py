@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import hashlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -99,6 +100,37 @@ class ResolvedGemvRun(NamedTuple):
                 p = None
             out.append(ResolvedInstr(i, ins, p))
         return out
+
+
+class ReadbackRun(Sequence):
+    """The readbacks of a block that lie end to end in one fp32 array: a :class:`Target.execute` result (a sequence,
+    item ``i`` the data of the block's ``i``-th data-out instruction, as the list a target returns) that a runtime
+    can also copy out in a few gathers instead of one slice per readback (``nhil.runtime.readback_scatter``).
+
+    Attributes:
+        flat: float32 ``[total]`` every readback, in order, end to end.
+        spans: int64 ``[m, 2]`` readback ``i`` is ``flat[spans[i, 0]:spans[i, 1]]``; the same array object for every
+            execution of the same run on the same device (a runtime may key what it derives from it on identity).
+    """
+
+    __slots__ = ("flat", "spans")
+
+    def __init__(self, flat: np.ndarray, spans: np.ndarray) -> None:
+        self.flat = flat
+        self.spans = spans
+
+    def __len__(self) -> int:
+        return int(self.spans.shape[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        o, e = self.spans[i]
+        return self.flat[o:e]
+
+    def __iter__(self):
+        f = self.flat
+        return (f[o:e] for o, e in self.spans.tolist())
 
 
 @dataclasses.dataclass(frozen=True)

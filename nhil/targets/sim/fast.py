@@ -41,7 +41,7 @@ import numpy as np
 from nhil.isa.instr import ALL_CH, CFR_ACC_RD_FMT, CFR_W_FMT, Instr, Op
 from nhil.isa.semantics import check_instr
 from nhil.numerics.bf16 import round_to_bf16
-from nhil.targets.base import ResolvedGemvRun, ResolvedInstr, ResolvedRun
+from nhil.targets.base import ReadbackRun, ResolvedGemvRun, ResolvedInstr, ResolvedRun
 from nhil.targets.sim import kernels, wr_sbk
 from nhil.targets.sim.kernel_threads import spans_at_once, threads
 from nhil.targets.sim.device import PimState
@@ -112,12 +112,20 @@ class FastPimState(PimState):
             RunError: as ``PimState.step`` (the first failing instruction, by name).
         """
         out = []
+        whole = None  # a GEMV run's ReadbackRun while it holds every readback of the block so far (returned as is)
         n = len(block)
         i = 0
         while i < n:
             item = block[i]
             if item.__class__ is ResolvedGemvRun:
-                out.extend(self._gemv_run(item, digest))
+                rr = self._gemv_run(item, digest)
+                if whole is None and not out and rr.__class__ is ReadbackRun:
+                    whole = rr
+                else:
+                    if whole is not None:
+                        out[:0] = whole
+                        whole = None
+                    out.extend(rr)
                 i += 1
                 continue
             if item.__class__ is ResolvedRun:
@@ -159,6 +167,8 @@ class FastPimState(PimState):
             elif op is Op.SYNC:
                 digest.sync(idx)
             i += 1
+        if whole is not None:
+            return whole if not out else list(whole) + out
         return out
 
     def _mac(self, ins) -> bool:
@@ -262,12 +272,12 @@ class FastPimState(PimState):
         res = np.empty(total, np.float32)
         spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, rows, ptr, run.bits, run.values, res),
                        self.d.channels, self.kernel_threads if macs >= THREADED_MIN_MACS else 1)
-        if spans:
+        if len(spans):
             digest.add_many(res, len(spans))
         for name, c in counts:
             self.counts[name] = self.counts.get(name, 0) + c
         self.macs += macs
-        return [res[o:e] for o, e in spans]
+        return ReadbackRun(res, spans)
 
     def _gemv_table(self, run: ResolvedGemvRun):
         """The kernel table of a GEMV run (``kernels.G_*`` columns), its rows per channel (:func:`_channel_rows`) and its
@@ -303,7 +313,7 @@ class FastPimState(PimState):
                 at += ins.n
             counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
         has_mac = bool(np.isin(tab[:, 0], (kernels.G_MAC, kernels.G_MAC_V)).any())
-        spans = [(o, o + n) for o, n in zip(rd_off, rd_n)]
+        spans = np.array([(o, o + n) for o, n in zip(rd_off, rd_n)], np.int64).reshape(-1, 2)
         rows, ptr = _channel_rows(tab, d.channels)
         return tab, rows, ptr, at, spans, has_mac, tuple(counts.items()), macs
 
