@@ -61,11 +61,13 @@ def _check(r, positions):
     for pos in positions:
         bits: dict = {}
         for run in runs:
-            got = run.bind(pos, lambda b: r._bits(b, bits)).instrs()
             want = [r._resolve(int(i), pos, {}) for i in run.index]
-            for g, w in zip(got, want, strict=True):
-                assert g.index == w.index and g.instr == w.instr, (pos, g, w)
-                assert g.payload.dtype == w.payload.dtype == np.uint16 and np.array_equal(g.payload, w.payload), (pos, g.index)
+            # bits per buffer (bits_of), and the host buffers' concatenation rounded at once (bufs; what the runner passes)
+            for bufs in (None, r.bufs):
+                got = run.bind(pos, lambda b: r._bits(b, bits), bufs).instrs()
+                for g, w in zip(got, want, strict=True):
+                    assert g.index == w.index and g.instr == w.instr, (pos, g, w)
+                    assert g.payload.dtype == w.payload.dtype == np.uint16 and np.array_equal(g.payload, w.payload), (pos, g.index)
     return runs
 
 

@@ -70,6 +70,7 @@ class KvRun:
         self.base[:, _TOK] = 0
         ops = [program.operands[x.operand] for x in ins]
         self.buffers = list(dict.fromkeys(o.buffer for o in ops))
+        self.rounds = not raw.intersection(self.buffers)  # every payload is bf16 of fp32 host values (no raw words)
         start = _starts(self.buffers, sizes)
         src = np.array([start[o.buffer] + o.offset for o in ops], np.int64)  # into the buffers' bits, concatenated
         cnt = np.array([o.count for o in ops], np.int64)
@@ -91,7 +92,9 @@ class KvRun:
         Args:
             pos: the step's ``$pos`` (a template's ``tok`` adds to it).
             bits_of: ``buffer name -> uint16 [len]`` bits of the whole buffer (bf16 of the fp32 values, or the raw words).
-            bufs: unused (the signature of :meth:`GemvRun.bind`).
+            bufs: ``buffer name -> float32 [len]`` the host buffers: where no buffer of the run holds raw words, their
+                concatenation is rounded to bf16 in one call (the same bits as rounding each: RNE is elementwise; a
+                64-token prefill's run of appends reads 128 buffers), else each buffer's bits come from ``bits_of``.
         Returns:
             the bound run (fields without position flags, ``tok`` 0; payload uint16 ``[m, lanes]``).
         """
@@ -121,8 +124,11 @@ class KvRun:
             f[v, _COL] = word // L
             lane[v] = word % L
             f[v, _K] = 1 + j % 2
-        parts = [bits_of(b) for b in self.buffers]
-        allbits = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if bufs is not None and self.rounds and len(self.buffers) > 1:
+            allbits = f32_to_bf16_bits(np.concatenate([bufs[b] for b in self.buffers]))
+        else:
+            parts = [bits_of(b) for b in self.buffers]
+            allbits = np.concatenate(parts) if len(parts) > 1 else parts[0]
         payload = np.zeros((t.size, L), np.uint16)
         li = self.li
         if li.size:
