@@ -183,6 +183,34 @@ def test_a_gemv_run_equals_its_instructions_on_the_reference(bf16_readback):
     assert np.array_equal(got.state.accs.view(np.uint32), want.state.accs.view(np.uint32)) and np.array_equal(got.state.gbs, want.state.gbs)
 
 
+def test_a_block_mixing_gemv_runs_and_single_readbacks_returns_them_in_program_order():
+    """A block of [GEMV run, RD_ACC, GEMV run, SYNC]: the readbacks in instruction order (the first run's readbacks
+    come back as one ReadbackRun only while they are the block's only ones), bit for bit the reference's."""
+    from nhil.targets.base import ReadbackRun
+
+    rng = np.random.default_rng(3)
+    w, gemv = _gemv_items(rng)
+    single = Instr(Op.RD_ACC, 0, k=2, col=1, n=7)
+    got, want = _loaded(False), _loaded(True)
+    for t in (got, want):
+        t.execute([ResolvedInstr(0, ins, p) for ins, p in w])
+    alone = got.execute([_run(gemv)])
+    assert isinstance(alone, ReadbackRun) and len(alone) == 3  # a block of one run: its ReadbackRun as is
+    want.execute([ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv)])
+    a = got.execute([_run(gemv), ResolvedInstr(20, single, None), _run(gemv[:7]), ResolvedInstr(21, Instr(Op.SYNC, 0), None)])
+    ref = [ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv)] + [ResolvedInstr(20, single, None)]
+    ref += [ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv[:7])] + [ResolvedInstr(21, Instr(Op.SYNC, 0), None)]
+    b = want.execute(ref)
+    assert [x.size for x in a] == [x.size for x in b] == [16, 5, 16, 7, 16, 5]
+    assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b, strict=True))
+    # a run then a single readback and no second run: the run's readbacks first
+    a = got.execute([_run(gemv), ResolvedInstr(22, single, None)])
+    b = want.execute([ResolvedInstr(i + 1, ins, p) for i, (ins, p) in enumerate(gemv)] + [ResolvedInstr(22, single, None)])
+    assert [x.size for x in a] == [16, 5, 16, 7]
+    assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b, strict=True))
+    assert got.trace() == want.trace()
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_gemv_run_across_channels_equals_its_instructions_on_the_reference(threads, monkeypatch):
     """Threads each run a span of channels through the whole run: all-channel WR_GB (two vector sets), WR_ACC and
