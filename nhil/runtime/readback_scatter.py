@@ -1,13 +1,13 @@
-"""A device block's readbacks copied into the host buffers in a few gathers instead of one slice each.
+"""A device block's readbacks copied into the host buffers in a few block copies instead of one slice each.
 
 A 64-token SmolLM2 prefill reads back ~67,000 accumulator slices (one ``RD_ACC`` per row-group and token); copying
 each into its buffer with a Python slice assignment costs ~1 µs apiece. When the target returns them end to end
 in one array (:class:`nhil.targets.base.ReadbackRun`, the simulator's GEMV runs), :class:`ReadbackScatter` copies
 them with one compiled loop of block copies per destination array (the ``[T, n]`` token rows of
-``nhil.runtime.token_rows`` or a plain buffer), blocks that continue each other in both arrays merged. It is built once per block and readback layout and gives exactly
-the per-readback copies' result (``tests/test_readback_scatter.py``): each element's destination is where the
-per-readback copy puts it, and a block that writes one element twice (which fancy indexing would not order) is not
-scattered this way.
+``nhil.runtime.token_rows`` or a plain buffer), blocks that continue each other in both arrays merged. It is built
+once per block and readback layout and gives exactly the per-readback copies' result
+(``tests/test_readback_scatter.py``): each element lands where the per-readback copy puts it. A block that writes
+one host element twice (where the copies' order would decide the value) is not scattered this way.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from nhil.runtime.token_rows import row_of
 
 
 class ReadbackScatter:
-    """Destination indices of a block's readbacks, per destination array.
+    """Where a block's readbacks go: per destination array, its merged block copies ``(dst start, src start, count)``.
 
     Args:
         reads: per data-out instruction ``(buffer, offset, count, is RD_SBK)`` (``Runner._segment_plan``).
