@@ -114,7 +114,7 @@ class Runner:
         self._serial: dict[int, bool] = {}  # host op -> runs on one torch thread (nhil.runtime.host_threads)
         self._geom = (self.d.slots, self.d.banks, self.d.lanes, self.d.cols)
         self._sizes = {n: int(c) for n, c in program.buffers.items()}
-        self._scatters: dict[int, ReadbackScatter | None] = {}  # id(segment) -> its readbacks' gathers (or None: slice by slice)
+        self._scatters: dict[int, ReadbackScatter | None] = {}  # id(segment) -> its readbacks' block copies (or None: slice by slice)
         self._group_io: dict[int, tuple] = {}  # id(host group) -> its inputs and outputs (:meth:`_run_host_group`)
         self._host_token = list(pf["host_token"]) if pf else None
         self._prefill_segments: list | None = None  # self.segments with batched host calls (nhil.runtime.host_batch)
@@ -355,7 +355,7 @@ class Runner:
                 rbs = self.t.execute(block)
                 if len(rbs) != len(reads):
                     raise RunError(f"target {self.t.name} returned {len(rbs)} readbacks for a block with {len(reads)} read instructions")
-                if rbs.__class__ is ReadbackRun:  # end to end in one array: a few gathers (nhil.runtime.readback_scatter)
+                if rbs.__class__ is ReadbackRun:  # end to end in one array: a few block copies (nhil.runtime.readback_scatter)
                     sc = self._scatters.get(id(seg), False)
                     if sc is False or (sc is not None and sc.spans is not rbs.spans):
                         try:

@@ -105,7 +105,7 @@ class ResolvedGemvRun(NamedTuple):
 class ReadbackRun(Sequence):
     """The readbacks of a block that lie end to end in one fp32 array: a :class:`Target.execute` result (a sequence,
     item ``i`` the data of the block's ``i``-th data-out instruction, as the list a target returns) that a runtime
-    can also copy out in a few gathers instead of one slice per readback (``nhil.runtime.readback_scatter``).
+    can also copy out in a few block copies instead of one slice per readback (``nhil.runtime.readback_scatter``).
 
     Attributes:
         flat: float32 ``[total]`` every readback, in order, end to end.
