@@ -26,6 +26,10 @@ def test_token_rows_share_one_array_per_complete_tensor():
     a, t = row_of("x@2", rows)
     assert a is rows["x"] and t == 2 and row_of("plain", rows) is None
     assert token_rows(sizes, 0)[1] == {}  # a decode program: no rows
+    odd = {"z@0": 2, "z@1": 2, "z@01": 2}  # not the transform's spelling of token 1: its own buffer, no shared row
+    bufs, rows = token_rows(odd, 2)
+    assert set(rows) == {"z"} and row_of("z@01", rows) is None
+    assert not np.shares_memory(bufs["z@01"], rows["z"])
 
 
 def _loop_copy(bufs, reads, rbs):
