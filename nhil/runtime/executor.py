@@ -385,7 +385,8 @@ class Runner:
             outs = [o if o is not None else [self.bufs[m.outputs[j]] for m in hs] for j, o in enumerate(outs)]
             io = self._group_io[id(group)] = (names, ins_rows, outs)
         names, ins_rows, outs = io
-        ctxs = [{"token": ctx["tokens"][ht[i]], "pos": pos + ht[i], "tokens": ctx["tokens"]} for i in group]
+        member_wise = any(r is None and p not in b.shared for p, r in enumerate(ins_rows))  # an input read member by member
+        ctxs = [{"token": ctx["tokens"][ht[i]], "pos": pos + ht[i], "tokens": ctx["tokens"]} for i in (group if member_wise else group[:1])]
         ins = [self._val(n[0], ctxs[0]) if p in b.shared else ins_rows[p] if ins_rows[p] is not None
                else [self._val(m, c) for m, c in zip(n, ctxs)] for p, n in enumerate(names)]
         try:

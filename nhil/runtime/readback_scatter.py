@@ -43,7 +43,10 @@ class ReadbackScatter:
             else:
                 key, at = r[0], r[1] * r[0].shape[1] + off
             if cnt:  # keyed by the runner's own arrays (which live as long as it does), not a temporary view
-                blocks.setdefault(id(key), (key.reshape(-1), []))[1].append((at, o, cnt))
+                d = blocks.get(id(key))
+                if d is None:
+                    d = blocks[id(key)] = (key.reshape(-1), [])
+                d[1].append((at, o, cnt))
         self.parts: list[tuple[np.ndarray, np.ndarray]] = []  # (1-d destination, int64 [k, 3] merged blocks)
         for arr, bl in blocks.values():
             b = np.array(sorted(bl), np.int64)  # by destination start
