@@ -361,3 +361,32 @@ def test_kernel_spans_cover_every_channel_once_and_a_span_error_is_raised_after_
     seen.clear()
     spans_at_once(kernel, ("again",), 4, 2)  # the threads are free again after an error
     assert sorted(seen) == [("again", 0, 2), ("again", 2, 4)]
+
+
+def test_channel_rows_skip_only_accumulator_rows_without_an_element_of_the_channel():
+    """``fast._channel_rows``: a channel visits every WR_GB / MAC row whose channel range holds it, and a WR_ACC / RD_ACC
+    row only when one of its elements ``q`` in ``[col, col + n)`` lies in it (channel ``c0 + q // banks``, the kernel's
+    mapping). Reference: element by element, on random rows."""
+    from nhil.targets.sim import kernels as K
+    from nhil.targets.sim.fast import _channel_rows
+
+    rng = np.random.default_rng(5)
+    channels, banks = 8, 16
+    tab = np.zeros((200, 12), np.int64)
+    for r in range(200):
+        code = int(rng.choice([K.G_WR_GB, K.G_WR_ACC, K.G_MAC, K.G_RD_ACC, K.G_MAC_V]))
+        c0 = int(rng.integers(0, channels))
+        c1 = int(rng.integers(c0 + 1, channels + 1))
+        col = int(rng.integers(0, (c1 - c0) * banks))
+        n = int(rng.integers(0, (c1 - c0) * banks - col + 1))
+        tab[r, [K.G_CODE, K.G_C0, K.G_C1, K.G_COL, K.G_N]] = code, c0, c1, col, n
+    rows, ptr = _channel_rows(tab, channels, banks)
+    for c in range(channels):
+        want = []
+        for r, (code, c0, c1, col, n) in enumerate(tab[:, [K.G_CODE, K.G_C0, K.G_C1, K.G_COL, K.G_N]].tolist()):
+            if code in (K.G_WR_ACC, K.G_RD_ACC):
+                if any(c0 + q // banks == c for q in range(col, col + n)):
+                    want.append(r)
+            elif c0 <= c < c1:
+                want.append(r)
+        assert rows[ptr[c]:ptr[c + 1]].tolist() == want, c

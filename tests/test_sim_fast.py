@@ -250,3 +250,37 @@ def test_wr_sbk_scatter_refuses_only_lanes_written_twice():
     fresh = np.zeros_like(mem)  # lane 8 of the first burst in both masks: refused, nothing written
     assert not wr_sbk.scatter_sbk(fresh, i64(2, 2, 2), i64(1, 0, 1), i64(5, 5, 5), i64(1, 1, 1), i64(0x01FF, 0x0001, 0xFF00), pay)
     assert not fresh.any()
+
+
+def test_wr_sbk_scatter_equals_element_by_element_writes_on_random_runs():
+    """Random runs over a small space of bursts (so that bursts repeat and lanes collide) and long runs of distinct
+    bursts (the collision table's probing): the scatter writes exactly what writing each lane in turn writes, and
+    refuses (writing nothing) exactly when some element is written twice. Reference: numpy, element by element."""
+    from nhil.targets.sim import wr_sbk
+
+    rng = np.random.default_rng(11)
+    outcomes = set()
+    for trial in range(300):
+        small = trial < 250  # short runs over 2 channels x 3 slots x 4 bursts: repeats and collisions
+        m = int(rng.integers(1, 40)) if small else int(rng.integers(2000, 5000))
+        channels, bursts = (2, 4) if small else (64, 64)
+        ch, slot, col = rng.integers(0, channels, m), rng.integers(0, 3, m), rng.integers(0, bursts, m)
+        bank = rng.integers(0, 16, m)
+        one_lane = np.left_shift(1, rng.integers(0, 16, m))
+        imm = np.where(rng.random(m) < 0.7, one_lane, rng.integers(1, 1 << 16, m)).astype(np.int64)
+        pay = rng.integers(1, 1 << 16, (m, 16)).astype(np.uint16)
+        mem = np.zeros((channels, 3, bursts * 16, 16), np.uint16)
+        want, written, twice = mem.copy(), set(), False
+        for t in range(m):
+            for ln in range(16):
+                if imm[t] >> ln & 1:
+                    e = (int(ch[t]), int(slot[t]), int(col[t]) * 16 + ln, int(bank[t]))
+                    twice |= e in written
+                    written.add(e)
+                    want[e] = pay[t, ln]
+        got = mem.copy()
+        ok = wr_sbk.scatter_sbk(got, slot, ch, bank, col, imm, pay)
+        assert ok is (not twice), trial
+        assert np.array_equal(got, want if ok else mem), trial
+        outcomes.add((small, ok))
+    assert outcomes == {(True, True), (True, False), (False, True), (False, False)}  # every case met

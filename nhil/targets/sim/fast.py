@@ -52,12 +52,19 @@ THREADED_MIN_MACS = 1 << 18  # a GEMV run with fewer MACs runs on the caller's t
 
 
 
-def _channel_rows(tab: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+def _channel_rows(tab: np.ndarray, channels: int, banks: int = 16) -> tuple[np.ndarray, np.ndarray]:
     """``(rows, ptr)``: the rows of GEMV-run table ``tab`` (``G_*`` columns) that touch each channel, in table order,
     as one index array and its offsets (``rows[ptr[c]:ptr[c + 1]]`` for channel ``c``, ``ptr`` int64 [channels + 1]),
-    so that a channel's pass over a run skips the single-channel instructions of the others without reading them."""
+    so that a channel's pass over a run skips the instructions that touch only other channels without reading them:
+    single-channel ones, and a WR_ACC / RD_ACC whose elements ``[col, col + n)`` (element ``q`` in channel
+    ``c0 + q // banks``) hold none of the channel's (a prefill's score readbacks: 80 elements, 5 of 32 channels)."""
     c = np.arange(channels)[:, None]
-    hit = (tab[None, :, kernels.G_C0] <= c) & (c < tab[None, :, kernels.G_C1])  # [channels, m]
+    c0 = tab[None, :, kernels.G_C0]
+    hit = (c0 <= c) & (c < tab[None, :, kernels.G_C1])  # [channels, m]
+    acc = np.isin(tab[:, kernels.G_CODE], (kernels.G_WR_ACC, kernels.G_RD_ACC))[None, :]
+    first = c0 + tab[None, :, kernels.G_COL] // banks  # channel of the first / last element of a WR_ACC / RD_ACC
+    last = c0 + (tab[None, :, kernels.G_COL] + tab[None, :, kernels.G_N] - 1) // banks
+    hit &= ~acc | ((first <= c) & (c <= last) & (tab[None, :, kernels.G_N] > 0))
     ch, rows = np.nonzero(hit)
     ptr = np.zeros(channels + 1, np.int64)
     np.cumsum(np.bincount(ch, minlength=channels), out=ptr[1:])
@@ -314,7 +321,7 @@ class FastPimState(PimState):
             counts[ins.op.name] = counts.get(ins.op.name, 0) + 1
         has_mac = bool(np.isin(tab[:, 0], (kernels.G_MAC, kernels.G_MAC_V)).any())
         spans = np.array([(o, o + n) for o, n in zip(rd_off, rd_n)], np.int64).reshape(-1, 2)
-        rows, ptr = _channel_rows(tab, d.channels)
+        rows, ptr = _channel_rows(tab, d.channels, d.banks)
         return tab, rows, ptr, at, spans, has_mac, tuple(counts.items()), macs
 
     def _wr_sbk_run(self, block, i: int, j: int) -> bool:
