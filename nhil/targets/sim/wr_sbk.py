@@ -19,7 +19,7 @@ def _scatter_sbk_py(mem_t, slots, ch, bank, col, imm, pay):  # pragma: no cover 
         mem_t: uint16 [channels, slots, cols, banks]; slots, ch, bank, col, imm: int64 [m] (row slot, channel, bank,
             burst, lane mask); pay: uint16 [m, 16].
 
-    The check ORs the lane masks of each burst in an open-addressing table keyed by burst (row, channel, bank, col):
+    The check ORs the lane masks of each burst in an open-addressing table keyed by (channel, bank, row slot, burst):
     O(m). (A KV append of a 64-token prompt: ~13 k bursts per layer, one per K burst and one per Vᵀ element; sorting
     their keys took ~0.7 ms of each layer's 0.9 ms append, sorting every element's key, 16x as many, ~2 ms.)
     """
