@@ -35,11 +35,12 @@ fix-up of ``a[e0 + i]`` kept them scalar), and the single-vector core prefetches
 (``simd.mac_rows16``: each burst of the 16 banks widened once and held in registers for every vector; 15 -> 25 GMAC/s
 per core on L2-resident rows, same bits), its activations widened by ``simd.widen_gb`` (numba's loop for it ran scalar).
 
-Tried for that core and not kept (Emerald Rapids, one thread, 16 banks x 36 bursts x 64 vectors, same bits as this
-core in every case): the first tree level as ``fma(w0, a0, w1 * a1)`` (equal to ``(w0 * a0) + (w1 * a1)`` whenever the
-bf16 x bf16 product is exact, i.e. no overflow and no subnormal product): 26.2 vs 26.3 GMAC/s; the first level as
+Tried for that core and not kept (Emerald Rapids, one thread, 16 banks x 36 bursts x 64 vectors; each bit-identical to
+this core on random normal bf16 data, not checked on special values): the first tree level as
+``fma(w0, a0, w1 * a1)`` (equal to ``(w0 * a0) + (w1 * a1)`` whenever the bf16 x bf16 product is exact, i.e. no
+overflow and no subnormal product): 26.2 vs 26.3 GMAC/s; the first level as
 ``VDPBF16PS`` on an accumulator of ``-0`` (equal in the range where it neither flushes subnormals nor overflows):
-17.3 vs 23.3 GMAC/s (the instruction issued at ~0.5 per cycle there).
+17.3 vs 23.3 GMAC/s (it issued at a quarter of ``vaddps``'s rate there: 1.33 vs 5.66 G/s).
 The core issues its 32 FP operations per burst and vector at ~58% of the machine's measured ``vaddps`` rate (3.3 of
 5.7 G/s), and a quarter fewer of them bought nothing, so their count is not what bounds it.
 
