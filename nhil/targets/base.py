@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -34,6 +33,7 @@ from nhil.errors import LoadError
 from nhil.isa.device import DeviceConfig
 from nhil.isa.instr import EXTENSION_OPS, Instr, Op, RESERVED_OPS, OPINFO
 from nhil.isa.program import Program
+from nhil.targets.readback_digest import ReadbackDigest, SyncRecord  # noqa: F401 - re-exported: the targets' trace
 
 
 class ResolvedInstr(NamedTuple):
@@ -151,38 +151,6 @@ class Capabilities:
 
     def to_json(self) -> dict:
         return {"isa_version": self.isa_version, "ops": sorted(o.name for o in self.ops), "formats": sorted(self.formats), "device": dataclasses.asdict(self.device)}
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncRecord:
-    """State observed at one SYNC: instruction index and a sha256 over every readback since the previous SYNC."""
-
-    index: int
-    digest: str
-    readbacks: int
-
-
-class ReadbackDigest:
-    """Running sha256 over readback bytes, cut at each SYNC into a :class:`SyncRecord`."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
-        self._n = 0
-        self.records: list[SyncRecord] = []
-
-    def add(self, arr: np.ndarray) -> None:
-        self._h.update(np.ascontiguousarray(arr).tobytes())
-        self._n += 1
-
-    def add_many(self, arr: np.ndarray, count: int) -> None:
-        """``count`` readbacks laid end to end in ``arr`` (the same sha256 as adding each in turn)."""
-        self._h.update(np.ascontiguousarray(arr).tobytes())
-        self._n += count
-
-    def sync(self, index: int) -> None:
-        self.records.append(SyncRecord(index, self._h.hexdigest(), self._n))
-        self._h = hashlib.sha256()
-        self._n = 0
 
 
 class Target(abc.ABC):

@@ -279,6 +279,7 @@ class FastPimState(PimState):
         res = np.empty(total, np.float32)
         spans_at_once(kernels.gemv_run, (self.mem_t, self.row_slot, self.zero_rows, self.gbs, self.accs, self.cfr, tab, rows, ptr, run.bits, run.values, res),
                        self.d.channels, self.kernel_threads if macs >= THREADED_MIN_MACS else 1)
+        res.flags.writeable = False  # the digest may hash it later (ReadbackDigest.add_many): nobody writes to it
         if len(spans):
             digest.add_many(res, len(spans))
         for name, c in counts:

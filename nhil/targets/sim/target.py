@@ -8,7 +8,8 @@ from nhil.isa.device import DEVICE_PRESETS, DeviceConfig
 from nhil.isa.instr import EW_OPS, EXTENSION_OPS, OPINFO, Op
 from nhil.isa.program import Program
 from nhil.numerics.formats import DEVICE_FORMATS
-from nhil.targets.base import DEVICE_OPS, Capabilities, ReadbackDigest, ResolvedInstr, SyncRecord, Target, check_program_fits
+from nhil.targets.base import DEVICE_OPS, Capabilities, ResolvedInstr, Target, check_program_fits
+from nhil.targets.readback_digest import ReadbackDigest, SyncRecord
 from nhil.targets.sim.device import PimState
 from nhil.targets.sim.fast import FastPimState
 
@@ -32,7 +33,7 @@ class SimTarget(Target):
         self._fixed = DEVICE_PRESETS[device] if isinstance(device, str) else device
         self.reference = bool(reference)
         self.state: PimState | None = None
-        self._digest = ReadbackDigest()
+        self._digest = ReadbackDigest(background=True)
         self._images: list | None = None  # _image_ids of the loaded program
 
     @property
@@ -48,7 +49,7 @@ class SimTarget(Target):
         check_program_fits(program, Capabilities(0, SIM_OPS, DEVICE_FORMATS, dev), self.name)
         self.state = (PimState if self.reference else FastPimState)(dev, reserve_rows=len(program.bank_images) + 8)
         self.state.load_images(program.bank_images)
-        self._digest = ReadbackDigest()
+        self._digest = ReadbackDigest(background=True)
         self._images = self._image_ids(program)
         self._started(program)
 
@@ -72,7 +73,7 @@ class SimTarget(Target):
             self.load(program)
             return
         st.reload_images(program.bank_images)
-        self._digest = ReadbackDigest()
+        self._digest = ReadbackDigest(background=True)
         self._started(program)
 
     def execute(self, block: list[ResolvedInstr]) -> list[np.ndarray]:
