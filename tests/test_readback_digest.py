@@ -36,10 +36,13 @@ def _feed(d: ReadbackDigest, rng: np.random.Generator, log: list) -> None:
     log.append((99, buf, n))
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_records_are_the_sha256_of_the_readback_bytes_between_syncs(background):
+@pytest.mark.parametrize("background,batch", [(False, None), (True, None), (True, 1), (True, 300_000)])
+def test_records_are_the_sha256_of_the_readback_bytes_between_syncs(background, batch):
+    """Batches of 1 byte (every update its own job), ~300 KB and the default 64 KiB (some updates batched, some
+    SYNCs hashed inline after the thread went idle)."""
     rng = np.random.default_rng(7)
-    a, b = ReadbackDigest(background=background), ReadbackDigest(background=background)
+    kw = {} if batch is None else {"batch_bytes": batch}
+    a, b = ReadbackDigest(background=background, **kw), ReadbackDigest(background=background, **kw)
     la, lb = [], []
     for _ in range(3):  # two digests fed in turn: their updates interleave on the shared hasher thread
         _feed(a, rng, la)
@@ -49,12 +52,37 @@ def test_records_are_the_sha256_of_the_readback_bytes_between_syncs(background):
         assert len(want) > 10 and d.records == want
 
 
+class _NotABuffer:
+    """Passes the digest's byte count, fails sha256's update (on the hasher thread)."""
+
+    def __len__(self) -> int:
+        return 8
+
+
 def test_a_failed_background_update_is_raised_by_records():
-    d = ReadbackDigest(background=True)
+    d = ReadbackDigest(background=True, batch_bytes=1)
     d.add(np.zeros(4, np.float32))
-    d._jobs.put((lambda _: (_ for _ in ()).throw(MemoryError("hash")), None, d._errors))  # an update that fails
-    with pytest.raises(MemoryError, match="hash"):
+    d._update(_NotABuffer())  # handed to the thread at once (batch of 1 byte), where it fails
+    d.sync(0)
+    with pytest.raises(TypeError):
         d.records
+
+
+def test_small_readbacks_are_hashed_at_their_sync_without_waking_the_thread():
+    """A decode step's readbacks (here 181 of 2.3 KB, with a SYNC after every 4th) stay under one batch: nothing is
+    queued on the hasher thread, and the records are still hashlib's."""
+    d = ReadbackDigest(background=True)
+    rng = np.random.default_rng(3)
+    want, buf, n = [], b"", 0
+    for i in range(181):
+        a = rng.standard_normal(576).astype(np.float32)
+        d.add_many(a, 1)
+        buf, n = buf + a.tobytes(), n + 1
+        if i % 4 == 3:
+            d.sync(i)
+            want.append(SyncRecord(i, hashlib.sha256(buf).hexdigest(), n))
+            buf, n = b"", 0
+    assert d._queued == 0 and d.records == want
 
 
 def test_the_simulators_gemv_readbacks_are_read_only():
